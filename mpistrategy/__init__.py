@@ -1,0 +1,43 @@
+"""mpistrategy: differentiable MPI collectives for PyTorch and an MPI data-parallel strategy for Lightning.
+
+Every op is a torch autograd op. Convention: the global objective is the sum over ranks of each rank's own loss,
+``L = sum_r L_r``; each op's backward is the exact adjoint of its forward under that convention (see the module
+docstrings in :mod:`mpistrategy.collectives`). Importing the package wraps ``MPI.COMM_WORLD`` (collective).
+"""
+
+from mpistrategy.collectives.broadcast import broadcast
+from mpistrategy.collectives.handles import Handle
+from mpistrategy.collectives.placeholder import Placeholder
+from mpistrategy.collectives.reduction import (
+    allreduce,
+    iallreduce,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_v,
+)
+from mpistrategy.collectives.tensor_parallel import copy_to_parallel, reduce_from_parallel
+from mpistrategy.comm.checks import set_validation, validation_enabled
+from mpistrategy.comm.communicator import Communicator, world
+from mpistrategy.comm.errors import CommunicationError
+
+world()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "CommunicationError",
+    "Handle",
+    "Placeholder",
+    "allreduce",
+    "broadcast",
+    "copy_to_parallel",
+    "iallreduce",
+    "reduce",
+    "reduce_from_parallel",
+    "reduce_scatter",
+    "reduce_scatter_v",
+    "set_validation",
+    "validation_enabled",
+    "world",
+]

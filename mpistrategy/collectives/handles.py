@@ -1,0 +1,106 @@
+"""Non-blocking ops that stay on the autograd path.
+
+A non-blocking op is split into two autograd nodes joined by an empty *token* tensor::
+
+    x --Start--> token --Finish--> result        (forward: Start posts the MPI request, Finish waits)
+    dx <-Start-- token <-Finish-- g               (backward: Finish posts the adjoint request, Start waits)
+
+so the backward communication overlaps with whatever autograd computes between the two nodes, exactly as the
+forward one did. The user sees a :class:`Handle`; ``handle.wait()`` applies Finish and returns the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+
+class Pending:
+    """MPI requests in flight, the buffers they use, and how to turn them into the op's result."""
+
+    __slots__ = ("requests", "finish", "keepalive")
+
+    def __init__(self, requests: list[MPI.Request], finish: Callable[[], Any], keepalive: tuple = ()) -> None:
+        self.requests = requests
+        self.finish = finish
+        self.keepalive = keepalive
+
+    def wait(self) -> Any:
+        """Block until every request completes, then return the result."""
+        if self.requests:
+            MPI.Request.Waitall(self.requests)
+        return self.finish()
+
+    def test(self) -> bool:
+        """Whether every request has completed (never blocks)."""
+        return not self.requests or MPI.Request.Testall(self.requests)
+
+
+class Link:
+    """The state shared by one op's Start and Finish nodes."""
+
+    __slots__ = ("start_forward", "start_backward", "forward", "backward")
+
+    def __init__(
+        self,
+        start_forward: Callable[[torch.Tensor], Pending],
+        start_backward: Callable[[torch.Tensor], Pending],
+    ) -> None:
+        self.start_forward = start_forward
+        self.start_backward = start_backward
+        self.forward: Pending | None = None
+        self.backward: Pending | None = None
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, link: Link) -> torch.Tensor:
+        ctx.link = link
+        link.forward = link.start_forward(tensor)
+        return tensor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad: torch.Tensor):
+        return ctx.link.backward.wait(), None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, link: Link) -> torch.Tensor:
+        ctx.link = link
+        return link.forward.wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.link.backward = ctx.link.start_backward(grad)
+        return grad.new_empty(0), None
+
+
+class Handle:
+    """A non-blocking op in flight. ``wait()`` returns its result (once; later calls return the same object)."""
+
+    def __init__(
+        self, tensor: torch.Tensor, link: Link, wrap: Callable[[torch.Tensor], Any] | None = None
+    ) -> None:
+        self._link = link
+        self._token = _Start.apply(tensor, link)
+        self._wrap = wrap
+        self._result: Any = None
+
+    def wait(self) -> Any:
+        """Complete the op and return its result, linked into the autograd graph."""
+        if self._result is None:
+            result = _Finish.apply(self._token, self._link)
+            self._result = self._wrap(result) if self._wrap else result
+        return self._result
+
+    def test(self) -> bool:
+        """Whether the op has completed; ``wait()`` must still be called to get the result."""
+        return self._result is not None or self._link.forward.test()
+
+    def is_completed(self) -> bool:
+        """Alias of :meth:`test`, as in ``torch.distributed.Work``."""
+        return self.test()

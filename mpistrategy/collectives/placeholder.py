@@ -1,0 +1,80 @@
+"""The object a rank holds where an op's result is not valid on that rank.
+
+``gather`` and ``reduce`` leave their result on the root only, and ``send`` leaves none on the sender. Instead of
+``None``, an empty tensor or uninitialised memory, those ranks get a :class:`Placeholder`: it says which rank holds
+the value and carries its shape and dtype. It is still part of the autograd graph: the rank takes part in the op's
+backward by calling ``placeholder.backward()`` or by adding the placeholder to its loss (``loss + placeholder``
+adds zero and links the graphs), so the backward collective runs on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def anchor(requires_grad: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An empty tensor that links an op with no tensor input on this rank into the autograd graph."""
+    usable = dtype.is_floating_point or dtype.is_complex
+    return torch.zeros(0, dtype=dtype if usable else torch.float32, requires_grad=requires_grad and usable)
+
+
+class Placeholder:
+    """Stands for a tensor that lives on another rank.
+
+    Attributes:
+        holder: the rank (in the op's communicator) that holds the value, or ``None`` when several do.
+        shape, dtype: those of the value on the holder.
+        requires_grad: whether the value takes part in autograd.
+        op: the name of the op that produced it.
+    """
+
+    __slots__ = ("holder", "shape", "dtype", "requires_grad", "op", "_anchor")
+
+    def __init__(
+        self, op: str, holder: int | None, shape: tuple[int, ...], dtype: torch.dtype, anchor: torch.Tensor
+    ) -> None:
+        self.op = op
+        self.holder = holder
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self._anchor = anchor
+        self.requires_grad = anchor.requires_grad
+
+    def __repr__(self) -> str:
+        where = f"rank {self.holder}" if self.holder is not None else "other ranks"
+        return (
+            f"Placeholder(op={self.op!r}, held by {where}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"requires_grad={self.requires_grad})"
+        )
+
+    def backward(self) -> None:
+        """Run this rank's part of the op's backward (this rank contributes a zero cotangent)."""
+        if self._anchor.grad_fn is not None:
+            self._anchor.sum().backward()
+
+    def as_loss_term(self) -> torch.Tensor:
+        """A scalar zero linked to the op's graph, to add to a loss."""
+        return self._anchor.sum()
+
+    def __add__(self, other: object) -> torch.Tensor:
+        if isinstance(other, (torch.Tensor, int, float)):
+            return self.as_loss_term() + other
+        return NotImplemented
+
+    __radd__ = __add__
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ADDITIONS:
+            linked = [a.as_loss_term() if isinstance(a, Placeholder) else a for a in args]
+            return func(*linked, **kwargs)
+        holder = next(a for a in (*args, *kwargs.values()) if isinstance(a, Placeholder))
+        where = f"rank {holder.holder}" if holder.holder is not None else "other ranks"
+        raise TypeError(
+            f"{holder.op}'s result is not on this rank: it is held by {where}. This rank holds a Placeholder "
+            "(shape and dtype only); call .backward() on it or add it to the loss to take part in backward."
+        )
+
+
+_ADDITIONS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)

@@ -1,0 +1,302 @@
+"""Reductions: ``allreduce``, ``iallreduce``, ``reduce``, ``reduce_scatter`` and ``reduce_scatter_v``.
+
+Convention for every backward in mpistrategy: the global objective is ``L = sum_r L_r``, the sum over ranks of
+each rank's own loss, and ``g_r = dL_r/dy_r`` is rank r's cotangent of the op's output. The adjoints:
+
+- allreduce sum, ``y = sum_r x_r`` on every rank: ``dL/dx_r = sum_s g_s`` (an allreduce sum of the cotangents).
+- allreduce avg, ``y = (1/P) sum_r x_r``: ``dL/dx_r = (1/P) sum_s g_s`` (an allreduce avg).
+- allreduce max/min: ``dL/dx_r = [r owns the extremum] * sum_s g_s`` elementwise. Where several ranks hold the
+  same extreme value (a tie), the lowest of those ranks owns it and the others get zero.
+- reduce to ``root`` (sum): ``y_root = sum_r x_r``; ``dL/dx_r = g_root`` (a broadcast from the root); avg scales
+  by 1/P.
+- reduce_scatter (sum): ``y_r = sum_s x_s[block r]``; ``dL/dx_s[block r] = g_r`` (an allgather); avg scales by 1/P.
+
+Half-precision tensors are summed in float32 and rounded once; bool supports max (logical or) and min (logical
+and). The forward and backward messages travel on distinct duplicates of the communicator.
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
+from mpistrategy.collectives.handles import Handle, Link, Pending
+from mpistrategy.collectives.placeholder import Placeholder
+from mpistrategy.comm.buffers import (
+    REDUCE_OPS,
+    empty_on_wire,
+    mpi_buffer,
+    mpi_op,
+    needs_staging,
+    off_wire,
+    on_wire,
+    reduction_dtype,
+)
+from mpistrategy.comm.checks import agree, check_dim, check_rank, signature
+from mpistrategy.comm.communicator import Communicator, resolve
+
+_OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
+
+
+def _run_allreduce(
+    tensor: torch.Tensor,
+    op: str,
+    channel: MPI.Intracomm,
+    size: int,
+    *,
+    blocking: bool = True,
+    out: torch.Tensor | None = None,
+) -> Pending:
+    """Start (or run) ``MPI_Allreduce`` of ``tensor`` and return what completes it.
+
+    ``out`` receives the result (it may be ``tensor`` itself: then MPI works in place, with no copy).
+    """
+    wire_dtype = reduction_dtype(tensor.dtype, op, "allreduce")
+    in_place = out is not None and out is tensor and not _staged(tensor, wire_dtype)
+    send = on_wire(tensor, wire_dtype)
+    if in_place:
+        result, send_buffer = send, MPI.IN_PLACE
+    else:
+        result, send_buffer = torch.empty_like(send), mpi_buffer(send)
+    args = (send_buffer, mpi_buffer(result), mpi_op(wire_dtype, op))
+    requests = [channel.Iallreduce(*args)] if not blocking else []
+    if blocking:
+        channel.Allreduce(*args)
+
+    def finish() -> torch.Tensor:
+        if op == "avg":
+            result.div_(size)
+        final = off_wire(result, tensor.dtype, tensor.device)
+        if out is not None and final is not out:
+            out.copy_(final)
+            return out
+        return final
+
+    return Pending(requests, finish, keepalive=(send, result))
+
+
+def _staged(tensor: torch.Tensor, wire_dtype: torch.dtype) -> bool:
+    return wire_dtype != tensor.dtype or not tensor.is_contiguous() or needs_staging(tensor)
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, op: str, comm: Communicator) -> torch.Tensor:
+        result = _run_allreduce(tensor, op, comm.forward, comm.size).wait()
+        ctx.op, ctx.comm = op, comm
+        if op in ("max", "min"):
+            ctx.save_for_backward(tensor, result)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm = ctx.comm
+        if ctx.op in ("sum", "avg"):
+            return _run_allreduce(grad, ctx.op, comm.backward, comm.size).wait(), None, None
+        tensor, result = ctx.saved_tensors
+        candidate = torch.where(tensor == result, comm.rank, comm.size).to(torch.int32)
+        owner = _run_allreduce(candidate, "min", comm.backward, comm.size).wait()
+        total = _run_allreduce(grad, "sum", comm.backward, comm.size).wait()
+        return torch.where(owner == comm.rank, total, torch.zeros_like(total)), None, None
+
+
+def _check_reduction(tensor: torch.Tensor, op: str, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}.")
+    reduction_dtype(tensor.dtype, op, what)
+
+
+def allreduce(
+    tensor: torch.Tensor, op: str = "sum", comm: MPI.Comm | Communicator | None = None
+) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks of ``comm``; every rank gets the result.
+
+    Args:
+        tensor: same shape and dtype on every rank.
+        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+        comm: an mpi4py communicator or :class:`Communicator` (default: the world).
+
+    Backward (objective = sum of every rank's loss): sum and avg apply the same allreduce to the cotangents;
+    max and min send the summed cotangent to the rank holding the extremum (the lowest such rank on ties).
+    """
+    _check_reduction(tensor, op, "allreduce")
+    comm = resolve(comm)
+    agree(comm, "allreduce", signature(tensor, _OP_CODES[op]), "dtype, shape and op")
+    return _Allreduce.apply(tensor, op, comm)
+
+
+def iallreduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    comm: MPI.Comm | Communicator | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> Handle:
+    """Non-blocking :func:`allreduce` (``op`` is ``"sum"`` or ``"avg"``); ``handle.wait()`` gives the result.
+
+    The result stays on the autograd path: its backward posts a non-blocking allreduce of the cotangents that
+    completes when autograd reaches ``tensor``. ``out=tensor`` reduces in place (no copy); it is only allowed
+    outside autograd (under ``torch.no_grad()`` or for tensors that do not require grad).
+    """
+    _check_reduction(tensor, op, "iallreduce")
+    if op not in ("sum", "avg"):
+        raise ValueError(
+            f"iallreduce: op={op!r} is not available non-blocking; use 'sum' or 'avg', or allreduce."
+        )
+    if out is not None and torch.is_grad_enabled() and tensor.requires_grad:
+        raise ValueError(
+            "iallreduce: out= is only allowed under torch.no_grad() or for tensors without grad."
+        )
+    comm = resolve(comm)
+    agree(comm, "iallreduce", signature(tensor, _OP_CODES[op]), "dtype, shape and op")
+    link = Link(
+        lambda x: _run_allreduce(x, op, comm.forward, comm.size, blocking=False, out=out),
+        lambda g: _run_allreduce(g, op, comm.backward, comm.size, blocking=False),
+    )
+    return Handle(tensor, link)
+
+
+def _broadcast_from(
+    tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype, device: torch.device, root: int, comm
+) -> torch.Tensor:
+    """Blocking broadcast of ``tensor`` (significant at ``root`` only) on ``comm``, a raw MPI communicator."""
+    buffer = on_wire(tensor) if tensor is not None else empty_on_wire(tuple(shape), dtype, device)
+    comm.Bcast(mpi_buffer(buffer), root=root)
+    return off_wire(buffer, dtype, device)
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, op: str, root: int, comm: Communicator) -> torch.Tensor:
+        ctx.op, ctx.root, ctx.comm = op, root, comm
+        ctx.shape, ctx.dtype, ctx.device = tensor.shape, tensor.dtype, tensor.device
+        wire_dtype = reduction_dtype(tensor.dtype, op, "reduce")
+        send = on_wire(tensor, wire_dtype)
+        if comm.rank != root:
+            comm.forward.Reduce(mpi_buffer(send), None, op=mpi_op(wire_dtype, op), root=root)
+            return tensor.new_empty(0)
+        result = torch.empty_like(send)
+        comm.forward.Reduce(mpi_buffer(send), mpi_buffer(result), op=mpi_op(wire_dtype, op), root=root)
+        if op == "avg":
+            result.div_(comm.size)
+        return off_wire(result, tensor.dtype, tensor.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm = ctx.comm
+        at_root = grad if comm.rank == ctx.root else None
+        grad_in = _broadcast_from(at_root, ctx.shape, ctx.dtype, ctx.device, ctx.root, comm.backward)
+        if ctx.op == "avg":
+            grad_in = grad_in / comm.size
+        return grad_in, None, None, None
+
+
+def reduce(
+    tensor: torch.Tensor, root: int = 0, op: str = "sum", comm: MPI.Comm | Communicator | None = None
+) -> torch.Tensor | Placeholder:
+    """Reduce ``tensor`` (``op`` is ``"sum"`` or ``"avg"``) onto ``root``.
+
+    The root gets the result; the other ranks get a :class:`Placeholder` naming the root, which they pass to
+    backward (``placeholder.backward()`` or ``loss + placeholder``). Backward: a broadcast of the root's
+    cotangent to every rank (divided by P for avg).
+    """
+    _check_reduction(tensor, op, "reduce")
+    if op not in ("sum", "avg"):
+        raise ValueError(
+            f"reduce: op={op!r} is not supported; use 'sum' or 'avg' (or allreduce for max/min)."
+        )
+    comm = resolve(comm)
+    check_rank(root, comm, "reduce")
+    agree(comm, "reduce", signature(tensor, _OP_CODES[op], root), "dtype, shape, op and root")
+    result = _Reduce.apply(tensor, op, root, comm)
+    if comm.rank == root:
+        return result
+    return Placeholder("reduce", root, tuple(tensor.shape), tensor.dtype, result)
+
+
+def _reduce_scatter_front(
+    front: torch.Tensor, sizes: list[int], op: str, channel: MPI.Intracomm, rank: int, size: int
+) -> torch.Tensor:
+    """``MPI_Reduce_scatter`` of a tensor whose first dimension is split into blocks of ``sizes`` rows."""
+    wire_dtype = reduction_dtype(front.dtype, op, "reduce_scatter")
+    send = on_wire(front, wire_dtype)
+    row = send[0].numel() if send.dim() > 1 else 1
+    result = empty_on_wire((sizes[rank], *send.shape[1:]), wire_dtype, front.device)
+    counts = [s * row for s in sizes]
+    channel.Reduce_scatter(mpi_buffer(send), mpi_buffer(result), counts, op=mpi_op(wire_dtype, op))
+    if op == "avg":
+        result.div_(size)
+    return off_wire(result, front.dtype, front.device)
+
+
+def _allgather_front(front: torch.Tensor, sizes: list[int], channel: MPI.Intracomm) -> torch.Tensor:
+    """``MPI_Allgatherv`` of blocks along the first dimension, block r having ``sizes[r]`` rows."""
+    send = on_wire(front)
+    row = send[0].numel() if send.dim() > 1 else 1
+    result = empty_on_wire((sum(sizes), *send.shape[1:]), send.dtype, front.device)
+    counts = [s * row for s in sizes]
+    send_buffer = mpi_buffer(send)
+    channel.Allgatherv(send_buffer, [mpi_buffer(result)[0], counts, offsets(counts), send_buffer[2]])
+    return off_wire(result, front.dtype, front.device)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, sizes: list[int], dim: int, op: str, comm: Communicator):
+        ctx.sizes, ctx.dim, ctx.op, ctx.comm = sizes, dim, op, comm
+        front = to_front(tensor, dim)
+        result = _reduce_scatter_front(front, sizes, op, comm.forward, comm.rank, comm.size)
+        return from_front(result, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm = ctx.comm
+        full = from_front(_allgather_front(to_front(grad, ctx.dim), ctx.sizes, comm.backward), ctx.dim)
+        if ctx.op == "avg":
+            full = full / comm.size
+        return full, None, None, None, None
+
+
+def reduce_scatter_v(
+    tensor: torch.Tensor,
+    sizes: list[int] | None = None,
+    dim: int = 0,
+    op: str = "sum",
+    comm: MPI.Comm | Communicator | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` over ranks and give rank r block r of the result along ``dim``.
+
+    ``sizes[r]`` is the length of rank r's block (they must add up to ``tensor.shape[dim]``); by default the
+    dimension is split as evenly as possible, the first blocks one longer. ``op`` is ``"sum"`` or ``"avg"``.
+    Backward: an allgather of the cotangent blocks along ``dim`` (divided by P for avg).
+    """
+    _check_reduction(tensor, op, "reduce_scatter")
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter: op={op!r} is not supported; use 'sum' or 'avg'.")
+    comm = resolve(comm)
+    dim = check_dim(dim, tensor.dim(), "reduce_scatter")
+    length = tensor.shape[dim] if tensor.dim() else 1
+    sizes = list(sizes) if sizes is not None else split_sizes(length, comm.size)
+    if len(sizes) != comm.size or sum(sizes) != length or min(sizes) < 0:
+        raise ValueError(
+            f"reduce_scatter: sizes={sizes} must give one non-negative block length per rank ({comm.size}) "
+            f"adding up to the length {length} of dimension {dim}."
+        )
+    agree(comm, "reduce_scatter", signature(tensor, _OP_CODES[op], dim, *sizes), "dtype, shape, op and sizes")
+    return _ReduceScatter.apply(tensor, sizes, dim, op, comm)
+
+
+def reduce_scatter(
+    tensor: torch.Tensor, dim: int = 0, op: str = "sum", comm: MPI.Comm | Communicator | None = None
+) -> torch.Tensor:
+    """:func:`reduce_scatter_v` with equal blocks: ``tensor.shape[dim]`` must be divisible by the world size."""
+    comm = resolve(comm)
+    dim = check_dim(dim, tensor.dim(), "reduce_scatter")
+    length = tensor.shape[dim] if tensor.dim() else 1
+    if length % comm.size:
+        raise ValueError(
+            f"reduce_scatter: dimension {dim} has length {length}, not divisible by the {comm.size} ranks; "
+            "use reduce_scatter_v for uneven blocks."
+        )
+    return reduce_scatter_v(tensor, [length // comm.size] * comm.size, dim, op, comm)

@@ -1,0 +1,54 @@
+"""The Megatron-style pair of ops for tensor parallelism.
+
+With the sum-of-losses convention, :func:`allreduce` backward sums cotangents across ranks. Tensor-parallel layers
+instead compute *one* shared value split across ranks, whose loss is counted once; they need the pair:
+
+- :func:`copy_to_parallel` (Megatron's "f"): identity forward, allreduce-sum backward. Put it where a replicated
+  activation enters column-parallel weights: each rank's partial cotangents add up to the full one.
+- :func:`reduce_from_parallel` (Megatron's "g"): allreduce-sum forward, identity backward. Put it where partial
+  outputs of row-parallel weights are summed into one replicated activation.
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from mpistrategy.collectives.reduction import _check_reduction, _run_allreduce
+from mpistrategy.comm.checks import agree, signature
+from mpistrategy.comm.communicator import Communicator, resolve
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _run_allreduce(grad, "sum", ctx.comm.backward, ctx.comm.size).wait(), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        return _run_allreduce(tensor, "sum", comm.forward, comm.size).wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_parallel(tensor: torch.Tensor, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
+    """Identity forward; backward = allreduce-sum of the cotangents (the adjoint of replicating one value)."""
+    _check_reduction(tensor, "sum", "copy_to_parallel")
+    return _CopyToParallel.apply(tensor, resolve(comm))
+
+
+def reduce_from_parallel(tensor: torch.Tensor, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
+    """Allreduce-sum forward; backward = identity (the value is one shared result whose loss counts once)."""
+    _check_reduction(tensor, "sum", "reduce_from_parallel")
+    comm = resolve(comm)
+    agree(comm, "reduce_from_parallel", signature(tensor), "dtype and shape")
+    return _ReduceFromParallel.apply(tensor, comm)

@@ -1,0 +1,1 @@
+"""Plain MPI plumbing for torch tensors (no autograd): buffers, communicators, headers and checks."""

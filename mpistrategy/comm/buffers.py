@@ -1,0 +1,153 @@
+"""Torch tensors as MPI buffers: the dtype table, contiguity and host staging for device tensors.
+
+Every collective goes through :func:`mpi_buffer`, which hands MPI the tensor's own memory (zero copy for
+contiguous host tensors). Reductions use :func:`reduction_dtype` to decide in which dtype the sum is taken:
+float16 and bfloat16 are reduced in float32 (never as integer bit patterns) and rounded once at the end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+from mpi4py import MPI
+
+_NATIVE_TYPES: dict[torch.dtype, MPI.Datatype] = {
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+    torch.int8: MPI.INT8_T,
+    torch.int16: MPI.INT16_T,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.bool: MPI.C_BOOL,
+    torch.complex64: MPI.C_FLOAT_COMPLEX,
+    torch.complex128: MPI.C_DOUBLE_COMPLEX,
+}
+
+# Half-precision floats are summed in float32 so that MPI never adds their bit patterns.
+_REDUCED_AS: dict[torch.dtype, torch.dtype] = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+# Codes that identify a dtype in the small integer headers sent ahead of a tensor (see metadata.py).
+DTYPE_CODES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+
+REDUCE_OPS: dict[str, MPI.Op] = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_BOOL_OPS: dict[str, MPI.Op] = {"max": MPI.LOR, "min": MPI.LAND}
+
+
+@functools.cache
+def _opaque_type(itemsize: int) -> MPI.Datatype:
+    """An MPI datatype of ``itemsize`` raw bytes, for dtypes MPI has no name for (bfloat16, float16)."""
+    return MPI.BYTE.Create_contiguous(itemsize).Commit()
+
+
+def check_dtype(dtype: torch.dtype, what: str) -> None:
+    """Raise a clear error for dtypes no MPI transfer can carry."""
+    if dtype not in DTYPE_CODES:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+        raise TypeError(
+            f"{what}: tensors of dtype {dtype} cannot be communicated; supported dtypes: {supported}."
+        )
+
+
+def transfer_type(dtype: torch.dtype) -> MPI.Datatype:
+    """The MPI datatype that moves one element of ``dtype`` unchanged (no arithmetic)."""
+    native = _NATIVE_TYPES.get(dtype)
+    if native is not None:
+        return native
+    check_dtype(dtype, "MPI transfer")
+    return _opaque_type(torch.empty((), dtype=dtype).element_size())
+
+
+def reduction_dtype(dtype: torch.dtype, op: str, what: str) -> torch.dtype:
+    """The dtype in which MPI performs the reduction ``op`` of ``dtype`` tensors; raises if it is not defined."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{what}: unknown reduction op {op!r}; choose one of {sorted(REDUCE_OPS)}.")
+    check_dtype(dtype, what)
+    if dtype == torch.bool and op not in _BOOL_OPS:
+        raise TypeError(
+            f"{what}: op={op!r} is not defined for torch.bool; use op='max' (logical or), op='min' (logical and) "
+            "or cast the tensor to an integer dtype first."
+        )
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(
+            f"{what}: op='avg' needs a floating-point tensor, got {dtype}; use op='sum' or cast to a float dtype."
+        )
+    if dtype.is_complex and op in ("max", "min"):
+        raise TypeError(f"{what}: op={op!r} is not defined for complex tensors; use 'sum' or 'avg'.")
+    return _REDUCED_AS.get(dtype, dtype)
+
+
+def mpi_op(dtype: torch.dtype, op: str) -> MPI.Op:
+    """The MPI operation for the reduction ``op`` on tensors of ``dtype`` (already in reduction dtype)."""
+    return _BOOL_OPS[op] if dtype == torch.bool else REDUCE_OPS[op]
+
+
+def mpi_buffer(tensor: torch.Tensor) -> list:
+    """``[memory, count, datatype]`` over the tensor's own storage; the tensor must be contiguous.
+
+    The tensor must live on the host, or on a device when MPI is CUDA-aware (see :func:`cuda_aware`).
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    memory = MPI.buffer.fromaddress(tensor.data_ptr(), nbytes, readonly=False) if nbytes else MPI.BOTTOM
+    return [memory, tensor.numel(), transfer_type(tensor.dtype)]
+
+
+@functools.cache
+def cuda_aware() -> bool:
+    """Whether MPI can read and write CUDA memory directly.
+
+    Set ``MPISTRATEGY_CUDA_AWARE=1`` or ``0`` to override the detection, which asks the MPI library through
+    ``MPIX_Query_cuda_support`` (MPICH and Open MPI export it when built with CUDA).
+    """
+    forced = os.environ.get("MPISTRATEGY_CUDA_AWARE")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "true", "yes", "on")
+    try:
+        query = ctypes.CDLL(None).MPIX_Query_cuda_support
+    except (AttributeError, OSError):
+        return False
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+def needs_staging(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` must be copied through host memory for MPI to see it."""
+    return tensor.device.type != "cpu" and not (tensor.device.type == "cuda" and cuda_aware())
+
+
+def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous tensor MPI can address holding ``tensor``'s values, converted to ``dtype`` if given.
+
+    Contiguous host tensors already in the right dtype are returned as they are (zero copy); device tensors
+    are staged through host memory when MPI is not CUDA-aware.
+    """
+    tensor = tensor.detach()
+    target_device = torch.device("cpu") if needs_staging(tensor) else tensor.device
+    return tensor.to(device=target_device, dtype=dtype or tensor.dtype).contiguous()
+
+
+def empty_on_wire(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised receive buffer MPI can address, for a result that will live on ``device``."""
+    staged = device.type != "cpu" and not (device.type == "cuda" and cuda_aware())
+    return torch.empty(shape, dtype=dtype, device="cpu" if staged else device)
+
+
+def off_wire(buffer: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Move a received buffer back to the caller's dtype and device (no copy when they already match)."""
+    return buffer.to(device=device, dtype=dtype)

@@ -1,0 +1,92 @@
+"""Fixed-size integer headers that carry a tensor's dtype, shape and requires_grad to ranks that lack them.
+
+A receiver cannot size its buffer before it knows what is coming, so ops whose receivers pass no tensor
+(broadcast, scatter, recv) first move one header of ``HEADER_LENGTH`` int64 values:
+``[dtype code, requires_grad, ndim, size_0, ..., size_{ndim-1}, 0 padding]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from mpi4py import MPI
+
+from mpistrategy.comm.buffers import DTYPE_CODES, check_dtype
+
+MAX_DIMS = 12
+HEADER_LENGTH = 3 + MAX_DIMS
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver needs to know about a tensor before it arrives."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+
+    def encode(self, what: str) -> torch.Tensor:
+        """The header as an int64 tensor of ``HEADER_LENGTH`` values."""
+        check_dtype(self.dtype, what)
+        if len(self.shape) > MAX_DIMS:
+            raise ValueError(
+                f"{what}: tensors of more than {MAX_DIMS} dimensions cannot be sent; reshape first."
+            )
+        header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
+        header[0] = DTYPE_CODES.index(self.dtype)
+        header[1] = int(self.requires_grad)
+        header[2] = len(self.shape)
+        header[3 : 3 + len(self.shape)] = torch.tensor(self.shape, dtype=torch.int64)
+        return header
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> TensorMeta:
+        values = header.tolist()
+        ndim = values[2]
+        return cls(tuple(values[3 : 3 + ndim]), DTYPE_CODES[values[0]], bool(values[1]))
+
+
+def empty_header() -> torch.Tensor:
+    """A receive buffer for one header."""
+    return torch.empty(HEADER_LENGTH, dtype=torch.int64)
+
+
+_NO_TENSOR, _UNSENDABLE = -1, -2
+
+
+def exchange_meta(
+    tensor: torch.Tensor | None, is_sender: bool, root: int, channel: MPI.Intracomm, what: str
+) -> TensorMeta:
+    """Broadcast the sender's :class:`TensorMeta` from ``root``.
+
+    If the root has nothing it can send (``None``, an unsupported dtype, too many dimensions), every rank raises
+    instead of the receivers waiting forever.
+    """
+    problem: Exception | None = None
+    header = empty_header()
+    if is_sender:
+        if not isinstance(tensor, torch.Tensor):
+            header[0] = _NO_TENSOR
+        else:
+            try:
+                header = TensorMeta.of(tensor).encode(what)
+            except (TypeError, ValueError) as error:
+                problem, header[0] = error, _UNSENDABLE
+    channel.Bcast(header.numpy(), root=root)
+    code = int(header[0])
+    if code == _NO_TENSOR:
+        raise ValueError(
+            f"{what}: the sending rank {root} passed no tensor; it must pass the tensor to send."
+        )
+    if code == _UNSENDABLE:
+        if problem is not None:
+            raise problem
+        raise TypeError(
+            f"{what}: the tensor on the sending rank {root} cannot be sent (see the error on rank {root})."
+        )
+    return TensorMeta.decode(header)
