@@ -16,10 +16,12 @@ from mpistrategy.collectives.reduction import (
     reduce_scatter_v,
 )
 from mpistrategy.collectives.tensor_parallel import copy_to_parallel, reduce_from_parallel
+from mpistrategy.comm.allocator import tune_malloc
 from mpistrategy.comm.checks import set_validation, validation_enabled
 from mpistrategy.comm.communicator import Communicator, world
 from mpistrategy.comm.errors import CommunicationError
 
+tune_malloc()
 world()
 
 __version__ = "0.1.0"
