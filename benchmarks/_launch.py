@@ -1,0 +1,73 @@
+"""Shared benchmark plumbing: relaunching under mpiexec, torch.distributed (gloo) setup, timing and output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def ensure_mpi(ranks: int) -> None:
+    """Re-run this script under ``mpiexec -n ranks`` unless it already runs inside an MPI job of that size."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() == ranks or os.environ.get("MPISTRATEGY_BENCH_CHILD"):
+        return
+    mpiexec = os.environ.get("MPISTRATEGY_MPIEXEC") or shutil.which(
+        "mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    )
+    if mpiexec is None:
+        sys.exit("mpiexec not found: install the MPICH wheel (pip install mpich) or a system MPI.")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_"))}
+    env["MPISTRATEGY_BENCH_CHILD"] = "1"
+    code = subprocess.call([mpiexec, "-n", str(ranks), sys.executable, *sys.argv], env=env)
+    sys.exit(code)
+
+
+def init_gloo() -> None:
+    """Start torch.distributed with gloo on the MPI world (rank 0 picks a free port and shares it)."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+
+
+def median_seconds(
+    runs: dict[str, Callable[[], object]], repeats: int, calls: int, barrier: Callable[[], None]
+) -> dict[str, float]:
+    """Median seconds per call of each function, timing blocks of ``calls`` calls, interleaved over ``repeats``."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()
+    for _ in range(repeats):
+        for name, run in runs.items():
+            barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            samples[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def save(name: str, payload: dict) -> Path:
+    """Write ``payload`` to benchmarks/results/<name>.json and return the path."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path

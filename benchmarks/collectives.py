@@ -1,0 +1,183 @@
+"""Differentiable collectives against raw mpi4py and torch.distributed (gloo), side by side in one run.
+
+    python benchmarks/collectives.py            # relaunches itself under mpiexec -n 2
+    mpiexec -n 2 python benchmarks/collectives.py [--quick] [--no-validation]
+
+For allreduce, broadcast and allgather of float32 messages from 1 KB to 64 MB it times, interleaved in one run:
+``ours`` (mpistrategy's autograd op, a fresh result each call), ``mpi4py`` (the same MPI call into preallocated
+buffers) and ``gloo`` (torch.distributed); once forward only, once forward+backward (mpi4py then runs the adjoint
+collective by hand; gloo uses torch.distributed.nn.functional). Prints medians and ratios, writes
+benchmarks/results/collectives.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _launch import ensure_mpi, init_gloo, median_seconds, save  # noqa: E402
+
+SIZES = [1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
+TARGET_LARGE_VS_MPI4PY = 1.05
+TARGET_GLOO_SPEEDUP = 1.25
+TARGET_SMALL_OVERHEAD_US = 20.0
+
+
+def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[str, float]:
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dnn
+    from mpi4py import MPI
+
+    import mpistrategy as ms
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    x = torch.randn(nbytes // 4)
+    grad = torch.randn(x.numel() * (size if op == "allgather" else 1))
+    out = torch.empty_like(grad)
+    back = torch.empty_like(x)
+    xg = x.clone().requires_grad_(True)
+
+    def ours():
+        if op == "allreduce":
+            y = ms.allreduce(xg if backward else x)
+        elif op == "broadcast":
+            y = ms.broadcast(xg if backward or rank == 0 else None, root=0)
+        else:
+            y = ms.allgather(xg if backward else x)
+        if backward:
+            y.backward(grad)
+
+    def mpi4py():
+        if op == "allreduce":
+            comm.Allreduce(x.numpy(), out.numpy())
+            if backward:
+                comm.Allreduce(grad.numpy(), back.numpy())
+        elif op == "broadcast":
+            comm.Bcast(out.numpy(), root=0)
+            if backward:
+                comm.Reduce(grad.numpy(), back.numpy() if rank == 0 else None, op=MPI.SUM, root=0)
+        else:
+            comm.Allgather(x.numpy(), out.numpy())
+            if backward:
+                comm.Reduce_scatter_block(grad.numpy(), back.numpy())
+
+    def gloo():
+        if not backward:
+            if op == "allreduce":
+                dist.all_reduce(out)
+            elif op == "broadcast":
+                dist.broadcast(out, src=0)
+            else:
+                dist.all_gather_into_tensor(out, x)
+            return
+        if op == "allreduce":
+            y = dnn.all_reduce(xg)
+        elif op == "broadcast":
+            y = dnn.broadcast(xg, src=0)
+        else:
+            y = torch.cat(dnn.all_gather(xg))
+        y.backward(grad)
+
+    calls = 100 if nbytes <= 1 << 16 else (10 if nbytes <= 1 << 22 else 2)
+    repeats = 5 if quick else 9
+    return median_seconds({"ours": ours, "mpi4py": mpi4py, "gloo": gloo}, repeats, calls, comm.Barrier)
+
+
+def _plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["op"], r["backward"]) for r in rows})
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7), sharex=True)
+    for ax, (op, backward) in zip(axes.T.flat, panels, strict=True):
+        picked = [r for r in rows if r["op"] == op and r["backward"] == backward]
+        for impl in ("ours", "mpi4py", "gloo"):
+            ax.loglog([r["bytes"] for r in picked], [r[impl] * 1e6 for r in picked], marker="o", label=impl)
+        ax.set_title(f"{op} {'forward+backward' if backward else 'forward'}")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("median µs per call")
+        ax.grid(True, which="both", alpha=0.3)
+    axes.flat[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
+    parser.add_argument("--no-validation", action="store_true", help="switch off the cross-rank agreement checks")
+    parser.add_argument("--ranks", type=int, default=2)
+    args = parser.parse_args()
+    ensure_mpi(args.ranks)
+
+    from mpi4py import MPI
+
+    import mpistrategy as ms
+
+    comm = MPI.COMM_WORLD
+    ms.set_validation(not args.no_validation)
+    torch.set_num_threads(1)
+    init_gloo()
+    sizes = [1 << 10, 1 << 20, 1 << 24] if args.quick else SIZES
+    rows = []
+    header = (
+        f"{'op':<10}{'mode':<9}{'size':>9}{'ours µs':>12}{'mpi4py µs':>12}{'gloo µs':>12}"
+        f"{'ours/mpi4py':>13}{'gloo/ours':>11}"
+    )
+    if comm.rank == 0:
+        print(f"{comm.size} ranks, validation {'on' if ms.validation_enabled() else 'off'}\n{header}", flush=True)
+    for op in ("allreduce", "broadcast", "allgather"):
+        for backward in (False, True):
+            for nbytes in sizes:
+                t = _timings(op, nbytes, backward, comm, args.quick)
+                row = {"op": op, "backward": backward, "bytes": nbytes, **t}
+                rows.append(row)
+                if comm.rank == 0:
+                    mode = "fwd+bwd" if backward else "fwd"
+                    print(
+                        f"{op:<10}{mode:<9}{_human(nbytes):>9}{t['ours'] * 1e6:>12.1f}{t['mpi4py'] * 1e6:>12.1f}"
+                        f"{t['gloo'] * 1e6:>12.1f}{t['ours'] / t['mpi4py']:>13.3f}{t['gloo'] / t['ours']:>11.2f}",
+                        flush=True,
+                    )
+    if comm.rank == 0:
+        _summarise(rows)
+        path = save("collectives", {"ranks": comm.size, "validation": ms.validation_enabled(), "rows": rows})
+        _plot(rows, path.with_suffix(".png"))
+        print(f"results: {path} and {path.with_suffix('.png')}")
+
+
+def _summarise(rows: list[dict]) -> None:
+    large = [r for r in rows if r["bytes"] >= 1 << 20]
+    small = [r for r in rows if r["bytes"] == 1 << 10]
+    worst_mpi = max(large, key=lambda r: r["ours"] / r["mpi4py"])
+    worst_gloo = min(large, key=lambda r: r["gloo"] / r["ours"])
+    worst_small = max(small, key=lambda r: r["ours"] - r["mpi4py"])
+    print("\nsummary (targets in brackets):")
+    print(
+        f"  >= 1 MB, worst ours/mpi4py: {worst_mpi['ours'] / worst_mpi['mpi4py']:.3f} "
+        f"({worst_mpi['op']} {_human(worst_mpi['bytes'])}) [<= {TARGET_LARGE_VS_MPI4PY}]"
+    )
+    print(
+        f"  >= 1 MB, worst gloo/ours speedup: {worst_gloo['gloo'] / worst_gloo['ours']:.2f}x "
+        f"({worst_gloo['op']} {_human(worst_gloo['bytes'])}) [>= {TARGET_GLOO_SPEEDUP}x]"
+    )
+    print(
+        f"  1 KB, worst added latency over mpi4py: {(worst_small['ours'] - worst_small['mpi4py']) * 1e6:.1f} µs "
+        f"({worst_small['op']}) [<= {TARGET_SMALL_OVERHEAD_US} µs]"
+    )
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+if __name__ == "__main__":
+    main()
