@@ -7,7 +7,7 @@
 #   slurm/local-cluster.sh stop      stop slurmd, slurmctld and munged
 #   slurm/local-cluster.sh restart   stop, then start
 #   slurm/local-cluster.sh status    show daemons, sinfo and squeue; exit 0 only if ready
-#   slurm/local-cluster.sh purge     stop, then delete $SLURM_LOCAL_DIR (job/controller state)
+#   slurm/local-cluster.sh purge     cancel all jobs, stop, delete $SLURM_LOCAL_DIR (all state)
 #
 # Environment:
 #   SLURM_LOCAL_DIR      state/spool/log/pid directory   [/tmp/mpistrategy-slurm]
@@ -83,6 +83,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# cred_expire also is the delay before a requeued job may start again (default 120 s).
+AuthInfo=cred_expire=10
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -182,7 +184,7 @@ start_munged() {
     munged --force \
         --pid-file="$MUNGED_PID" \
         --log-file="${LOG_DIR}/munged.log" \
-        --seed-file="${MUNGE_DIR}/munged.seed" >>"${LOG_DIR}/munged.stderr" 2>&1 ||
+        --seed-file="${MUNGE_DIR}/munged.seed" >>"${LOG_DIR}/munged.stderr" 2>&1 9>&- ||
         die "munged failed to start, see ${LOG_DIR}/munged.log and ${LOG_DIR}/munged.stderr"
     local i
     for ((i = 0; i < 50; i++)); do
@@ -192,21 +194,47 @@ start_munged() {
     die "munge does not work (munge -n | unmunge), see ${LOG_DIR}/munged.log"
 }
 
+# refuse_foreign NAME PIDFILE: fail clearly if NAME runs but was not started from
+# this SLURM_LOCAL_DIR (it would hold the ports and the new one would not start).
+refuse_foreign() {
+    local name="$1" pidfile="$2" others
+    is_running "$name" "$pidfile" && return 0
+    others="$(pgrep -x "$name" | tr '\n' ' ' || true)"
+    [[ -z "$others" ]] ||
+        die "${name} already runs (pid ${others% }) but not from ${SLURM_LOCAL_DIR}; stop it first" \
+            "(e.g. SLURM_LOCAL_DIR=<its dir> $0 stop)"
+}
+
 start_slurmctld() {
     is_running slurmctld "$CTLD_PID" && return 0
     log "starting slurmctld"
-    slurmctld -f "$CONF" >>"${LOG_DIR}/slurmctld.stderr" 2>&1 ||
+    slurmctld -f "$CONF" >>"${LOG_DIR}/slurmctld.stderr" 2>&1 9>&- ||
         die "slurmctld failed to start, see ${LOG_DIR}/slurmctld.log"
 }
+
+SLURMD_STARTED_AT=0
 
 start_slurmd() {
     is_running slurmd "$SLURMD_PID" && return 0
     log "starting slurmd"
-    slurmd -f "$CONF" >>"${LOG_DIR}/slurmd.stderr" 2>&1 ||
+    SLURMD_STARTED_AT="$(date +%s)"
+    slurmd -f "$CONF" >>"${LOG_DIR}/slurmd.stderr" 2>&1 9>&- ||
         die "slurmd failed to start, see ${LOG_DIR}/slurmd.log"
 }
 
 node_state() { sinfo -h -N -n "$(node_name)" -o '%T' 2>/dev/null | head -n 1; }
+
+# True once the slurmd we started has registered with slurmctld (a restarted
+# slurmctld reports the node state it saved, before slurmd has registered).
+slurmd_registered() {
+    local started
+    [[ "$SLURMD_STARTED_AT" -eq 0 ]] && return 0
+    started="$(scontrol show node "$(node_name)" 2>/dev/null |
+        sed -n 's/.*SlurmdStartTime=\([^ ]*\).*/\1/p')"
+    [[ -n "$started" && "$started" != "None" ]] || return 1
+    started="$(date -d "$started" +%s 2>/dev/null)" || return 1
+    ((started >= SLURMD_STARTED_AT - 1))
+}
 
 wait_ready() {
     local deadline state resumed=0
@@ -215,10 +243,12 @@ wait_ready() {
         state="$(node_state || true)"
         case "$state" in
         idle | mixed | allocated | completing)
-            log "node $(node_name) is ${state}"
-            return 0
+            if slurmd_registered; then
+                log "node $(node_name) is ${state}"
+                return 0
+            fi
             ;;
-        down* | drain* | drained*)
+        down* | drain*)
             # Left over from a previous run; ReturnToService=2 normally handles it.
             if [[ "$resumed" -eq 0 ]]; then
                 log "node is ${state}, resuming it"
@@ -236,12 +266,23 @@ wait_ready() {
     die "node $(node_name) not idle after ${SLURM_LOCAL_TIMEOUT}s (state: '${state:-unknown}'); logs in ${LOG_DIR}"
 }
 
+# Serialise concurrent invocations (e.g. several test processes starting the cluster).
+# The daemons are started with fd 9 closed, so they do not inherit the lock.
+take_lock() {
+    mkdir -p "$SLURM_LOCAL_DIR"
+    exec 9>"${SLURM_LOCAL_DIR}/.lock"
+    flock -w 120 9 || die "could not lock ${SLURM_LOCAL_DIR}/.lock"
+}
+
 cmd_start() {
     need_root
     local t0=$SECONDS changed=0 new
+    take_lock
     mkdir -p "$SLURM_LOCAL_DIR" "$LOG_DIR" "$RUN_DIR" "$MUNGE_DIR" \
         "${SLURM_LOCAL_DIR}/state" "${SLURM_LOCAL_DIR}/spool/slurmd" /etc/slurm
     install_packages
+    refuse_foreign slurmctld "$CTLD_PID"
+    refuse_foreign slurmd "$SLURMD_PID"
 
     new="$(write_conf)"
     if [[ ! -f "$CONF" ]] || [[ "$(cat "$CONF")" != "$new" ]]; then
@@ -249,10 +290,10 @@ cmd_start() {
         mv -f "${CONF}.tmp" "$CONF"
         changed=1
     fi
+    # The daemons read $CONF (-f); the copy in /etc/slurm is for the clients.
     if ! cmp -s "$CONF" "$ETC_CONF"; then
         cp -f "$CONF" "${ETC_CONF}.tmp"
         mv -f "${ETC_CONF}.tmp" "$ETC_CONF"
-        changed=1
     fi
     if [[ "$changed" -eq 1 ]] &&
         { is_running slurmctld "$CTLD_PID" || is_running slurmd "$SLURMD_PID"; }; then
@@ -270,6 +311,8 @@ cmd_start() {
 
 cmd_stop() {
     need_root
+    [[ -d "$SLURM_LOCAL_DIR" ]] || return 0
+    take_lock
     stop_daemon slurmd "$SLURMD_PID"
     stop_daemon slurmctld "$CTLD_PID"
     stop_daemon munged "$MUNGED_PID"
@@ -313,6 +356,18 @@ restart)
     ;;
 status) cmd_status ;;
 purge)
+    # Cancel every job first so that no slurmstepd outlives the cluster.
+    if command -v squeue >/dev/null 2>&1 && squeue >/dev/null 2>&1; then
+        mapfile -t jobs < <(squeue -h -o '%A')
+        if ((${#jobs[@]} > 0)); then
+            log "cancelling ${#jobs[@]} job(s)"
+            scancel "${jobs[@]}" || true
+            for ((i = 0; i < 30; i++)); do
+                [[ -z "$(squeue -h -o '%A')" ]] && break
+                sleep 1
+            done
+        fi
+    fi
     cmd_stop
     log "removing ${SLURM_LOCAL_DIR}"
     rm -rf -- "$SLURM_LOCAL_DIR"
