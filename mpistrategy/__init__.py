@@ -5,8 +5,11 @@ Every op is a torch autograd op. Convention: the global objective is the sum ove
 docstrings in :mod:`mpistrategy.collectives`). Importing the package wraps ``MPI.COMM_WORLD`` (collective).
 """
 
+from mpistrategy.collectives.alltoall import alltoall, alltoall_v
 from mpistrategy.collectives.broadcast import broadcast
+from mpistrategy.collectives.gather import allgather, allgather_v, gather, gather_v, scatter, scatter_v
 from mpistrategy.collectives.handles import Handle
+from mpistrategy.collectives.p2p import irecv, isend, recv, send, sendrecv, wait_backward_sends
 from mpistrategy.collectives.placeholder import Placeholder
 from mpistrategy.collectives.reduction import (
     allreduce,
@@ -24,6 +27,12 @@ from mpistrategy.comm.errors import CommunicationError
 tune_malloc()
 world()
 
+# Registers the "mpi_ad" strategy with lightning.pytorch / pytorch_lightning (now or when they are imported)
+# and sets Lightning's rank_zero_only from MPI; does not import Lightning itself.
+from mpistrategy.strategy import registration as _registration  # noqa: E402
+
+_registration.install()
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -31,15 +40,29 @@ __all__ = [
     "CommunicationError",
     "Handle",
     "Placeholder",
+    "allgather",
+    "allgather_v",
     "allreduce",
+    "alltoall",
+    "alltoall_v",
     "broadcast",
     "copy_to_parallel",
+    "gather",
+    "gather_v",
     "iallreduce",
+    "irecv",
+    "isend",
+    "recv",
     "reduce",
     "reduce_from_parallel",
     "reduce_scatter",
     "reduce_scatter_v",
+    "scatter",
+    "scatter_v",
+    "send",
+    "sendrecv",
     "set_validation",
     "validation_enabled",
+    "wait_backward_sends",
     "world",
 ]

@@ -25,7 +25,10 @@ class _Broadcast(torch.autograd.Function):
     ):
         ctx.root, ctx.comm, ctx.input_shape, ctx.input_dtype = root, comm, tensor.shape, tensor.dtype
         source = tensor if comm.rank == root else None
-        return _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward)
+        result = _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward)
+        if source is not None and result.numel() and result.data_ptr() == source.data_ptr():
+            result = result.clone()  # MPI sent straight from the root's tensor: return a new one, not an alias
+        return result
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -69,7 +69,7 @@ class Placeholder:
         if func in _ADDITIONS:
             linked = [a.as_loss_term() if isinstance(a, Placeholder) else a for a in args]
             return func(*linked, **kwargs)
-        holder = next(a for a in (*args, *kwargs.values()) if isinstance(a, Placeholder))
+        holder = _find_placeholder((*args, *kwargs.values()))
         where = f"rank {holder.holder}" if holder.holder is not None else "other ranks"
         raise TypeError(
             f"{holder.op}'s result is not on this rank: it is held by {where}. This rank holds a Placeholder "
@@ -78,3 +78,15 @@ class Placeholder:
 
 
 _ADDITIONS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
+
+
+def _find_placeholder(values: tuple | list) -> Placeholder | None:
+    """The first Placeholder among ``values``, looking into lists and tuples (``torch.cat([p, x])``)."""
+    for value in values:
+        if isinstance(value, Placeholder):
+            return value
+        if isinstance(value, (list, tuple)):
+            found = _find_placeholder(value)
+            if found is not None:
+                return found
+    return None

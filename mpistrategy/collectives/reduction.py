@@ -17,6 +17,8 @@ and). The forward and backward messages travel on distinct duplicates of the com
 
 from __future__ import annotations
 
+import math
+
 import torch
 from mpi4py import MPI
 
@@ -221,7 +223,7 @@ def _reduce_scatter_front(
     """``MPI_Reduce_scatter`` of a tensor whose first dimension is split into blocks of ``sizes`` rows."""
     wire_dtype = reduction_dtype(front.dtype, op, "reduce_scatter")
     send = on_wire(front, wire_dtype)
-    row = send[0].numel() if send.dim() > 1 else 1
+    row = math.prod(send.shape[1:])
     result = empty_on_wire((sizes[rank], *send.shape[1:]), wire_dtype, front.device)
     counts = [s * row for s in sizes]
     channel.Reduce_scatter(mpi_buffer(send), mpi_buffer(result), counts, op=mpi_op(wire_dtype, op))
@@ -233,7 +235,7 @@ def _reduce_scatter_front(
 def _allgather_front(front: torch.Tensor, sizes: list[int], channel: MPI.Intracomm) -> torch.Tensor:
     """``MPI_Allgatherv`` of blocks along the first dimension, block r having ``sizes[r]`` rows."""
     send = on_wire(front)
-    row = send[0].numel() if send.dim() > 1 else 1
+    row = math.prod(send.shape[1:])
     result = empty_on_wire((sum(sizes), *send.shape[1:]), send.dtype, front.device)
     counts = [s * row for s in sizes]
     send_buffer = mpi_buffer(send)

@@ -1,0 +1,119 @@
+"""The gradient aggregation interface: what the bucket machinery asks of a scheme that combines gradients.
+
+The :class:`~mpistrategy.strategy.reducer.GradientReducer` owns the buckets, the backward hooks and the timing:
+it groups gradients into flat buffers, and when a bucket's last gradient lands during backward it asks the
+aggregator to *start* combining that bucket; before clipping and the optimizer step it asks the aggregator to
+*finish* every started bucket, in the same order. The aggregator owns everything else: which communicator(s) to
+use, what to send (the gradient, a compressed form of it), and how to combine (average, hierarchical node-local
+then global averaging, ...). After :meth:`Aggregator.finish`, ``bucket.buffer`` must hold the combined gradients,
+in place: the parameters' ``.grad`` are views into it.
+
+Rules every aggregator must follow, because the reducer relies on them:
+
+- :meth:`start` is called for the buckets in the same order on every rank (the reducer guarantees it), and must
+  only post non-blocking operations or cheap local work; collectives must be matched in that order.
+- :meth:`finish` is called once per started bucket, in start order.
+- A bucket can be started although some of its gradients did not change since the last combine (a parameter no
+  rank used in this backward, or an already combined gradient when several backward passes run before one
+  step, as in manual optimization). Averaging is idempotent on equal values, so the default scheme is unaffected;
+  a scheme with memory (error feedback, compression residuals) should account for it.
+- State that must survive a checkpoint lives in :meth:`state_dict` / :meth:`load_state_dict`, which hold plain
+  Python values and tensors. They are called on every rank; a scheme whose state differs between ranks must
+  gather it in :meth:`state_dict` (a collective: every rank calls it) and scatter it back when loading.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from mpistrategy.comm.communicator import Communicator
+    from mpistrategy.strategy.topology import Topology
+
+
+class Work(Protocol):
+    """An operation in flight, as returned by :meth:`Aggregator.start`."""
+
+    def wait(self) -> Any:
+        """Block until the operation completes."""
+
+    def test(self) -> bool:
+        """Whether the operation has completed (never blocks; drives MPI progress)."""
+
+
+@dataclass
+class GradBucket:
+    """One flat gradient buffer and the parameters whose ``.grad`` are views into it.
+
+    Attributes:
+        index: position in launch order (0 is started first: the gradients that become ready first).
+        buffer: the flat, contiguous gradient buffer (one dtype and device).
+        names: the parameters' qualified names, in buffer order.
+        offsets: where each parameter's gradient starts in ``buffer``.
+        numels: how many elements each parameter's gradient has.
+    """
+
+    index: int
+    buffer: torch.Tensor
+    names: list[str]
+    offsets: list[int]
+    numels: list[int]
+    params: list[torch.nn.Parameter] = field(repr=False)
+    views: list[torch.Tensor] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+@dataclass
+class AggregationContext:
+    """What an aggregator may use: the gradient communicator, the node layout, and the bucket layout.
+
+    Attributes:
+        comm: a private communicator over all ranks that carries only gradient traffic.
+        topology: ranks, nodes and node-local / node-leader communicators (for hierarchical schemes).
+        buckets: every bucket, in launch order (read-only for the aggregator).
+    """
+
+    comm: Communicator
+    topology: Topology
+    buckets: list[GradBucket]
+
+
+class Aggregator(ABC):
+    """A gradient aggregation scheme: starts and finishes the combination of one flat bucket across ranks.
+
+    Subclasses implement :meth:`start` (and :meth:`finish` when completing needs more than ``work.wait()``); see
+    the module docstring for the rules.
+    """
+
+    context: AggregationContext | None = None
+
+    def setup(self, context: AggregationContext) -> None:
+        """Called once by the reducer after the buckets are built, on every rank (collectives are allowed)."""
+        self.context = context
+
+    @abstractmethod
+    def start(self, bucket: GradBucket) -> Work:
+        """Start combining ``bucket.buffer`` across ranks without blocking; return the work in flight."""
+
+    def finish(self, bucket: GradBucket, work: Work) -> None:
+        """Complete ``work``; afterwards ``bucket.buffer`` holds the combined gradients."""
+        work.wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheme's state to checkpoint (empty for stateless schemes)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state returned by :meth:`state_dict`."""
+        if state:
+            raise ValueError(f"{type(self).__name__} is stateless but was given state with keys {sorted(state)}.")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,144 @@
+"""All-to-all exchanges along a dimension: ``alltoall`` (equal blocks) and ``alltoall_v`` (blocks of given sizes).
+
+Rank s cuts its tensor along ``dim`` into one block per destination; rank r receives block r of every rank,
+concatenated in rank order: ``y_r = cat_s x_s[block r]``. Adjoint (objective = sum of every rank's loss, as in
+every mpistrategy backward): ``dL/dx_s[block r] = g_r[block s]``, an all-to-all of the cotangents with the send and
+receive sizes swapped. Data moves bit for bit whatever the dtype; forward and backward messages travel on distinct
+duplicates of the communicator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpistrategy.collectives._layout import from_front, to_front
+from mpistrategy.collectives.gather import (
+    _blocks,
+    agree_checked,
+    check_along,
+    check_dim_argument,
+    check_sizes,
+    grad_flag,
+    raise_if_flagged,
+)
+from mpistrategy.comm.buffers import empty_on_wire, off_wire, on_wire
+from mpistrategy.comm.checks import signature, validation_enabled
+from mpistrategy.comm.communicator import Communicator, resolve
+
+
+def _alltoall_front(
+    front: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], channel: MPI.Intracomm
+) -> torch.Tensor:
+    """``MPI_Alltoallv`` of blocks along the first dimension: ``send_sizes[r]`` rows to rank r, ``recv_sizes[r]``
+    rows from rank r."""
+    send = on_wire(front)
+    result = empty_on_wire((sum(recv_sizes), *send.shape[1:]), send.dtype, front.device)
+    channel.Alltoallv(_blocks(send, send_sizes), _blocks(result, recv_sizes))
+    return off_wire(result, front.dtype, front.device)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], dim: int, comm: Communicator):
+        ctx.send_sizes, ctx.recv_sizes, ctx.dim, ctx.comm = send_sizes, recv_sizes, dim, comm
+        return from_front(_alltoall_front(to_front(tensor, dim), send_sizes, recv_sizes, comm.forward), dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        front = to_front(grad, ctx.dim)
+        grad_in = _alltoall_front(front, ctx.recv_sizes, ctx.send_sizes, ctx.comm.backward)
+        return from_front(grad_in, ctx.dim), None, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, dim: int = 0, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
+    """Cut ``tensor`` into P equal blocks along ``dim`` and send block r to rank r; rank r gets the blocks it
+    received, concatenated in rank order.
+
+    Every rank passes a tensor of the same shape and dtype, its length along ``dim`` divisible by the number of
+    ranks P. Backward: an all-to-all of the cotangents (with equal blocks the same exchange).
+    """
+    comm = resolve(comm)
+    check_dim_argument(dim, "alltoall")
+    normalised, problem = check_along(tensor, dim, "alltoall")
+    length = tensor.shape[normalised] if problem is None else 0
+    if problem is None and length % comm.size:
+        problem = ValueError(
+            f"alltoall: dimension {normalised} has length {length}, not divisible by the {comm.size} ranks; "
+            "use alltoall_v for blocks of other sizes."
+        )
+    local = signature(tensor if isinstance(tensor, torch.Tensor) else None, grad_flag(tensor), dim)
+    agree_checked(comm, "alltoall", local, "dtype, shape, requires_grad, dim", problem)
+    sizes = [length // comm.size] * comm.size
+    return _Alltoall.apply(tensor, sizes, sizes, normalised, comm)
+
+
+def _exchange_counts(comm: Communicator, send_sizes: list[int] | None) -> list[int]:
+    """What every rank sends to this one, by one ``MPI_Alltoall`` of the send sizes (-1 marks a bad argument)."""
+    mine = np.array(send_sizes, dtype=np.int64) if send_sizes is not None else np.full(comm.size, -1, np.int64)
+    theirs = np.empty(comm.size, dtype=np.int64)
+    comm.forward.Alltoall(mine, theirs)
+    return theirs.tolist()
+
+
+def alltoall_v(
+    tensor: torch.Tensor,
+    send_sizes: Sequence[int],
+    dim: int = 0,
+    comm: MPI.Comm | Communicator | None = None,
+    *,
+    recv_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """:func:`alltoall` with blocks of any size: ``send_sizes[r]`` slices along ``dim`` go to rank r.
+
+    Args:
+        tensor: this rank's data; its length along ``dim`` is ``sum(send_sizes)``. The other dimensions and the
+            dtype must agree on every rank.
+        send_sizes: one non-negative length per rank (0 sends nothing to that rank).
+        recv_sizes: how much arrives from each rank, if known; otherwise learned with one small all-to-all of the
+            sizes. While validation is on (see :func:`mpistrategy.set_validation`), given ``recv_sizes`` are
+            checked against what the other ranks send.
+
+    The result has ``sum(recv_sizes)`` slices along ``dim``: the block from rank 0, then rank 1, and so on.
+    Backward: an all-to-all of the cotangents with ``send_sizes`` and ``recv_sizes`` swapped.
+    """
+    what = "alltoall_v"
+    comm = resolve(comm)
+    check_dim_argument(dim, what)
+    normalised, problem = check_along(tensor, dim, what)
+    sends: list[int] | None = None
+    if problem is None:
+        sends, problem = check_sizes(
+            send_sizes, comm.size, what, "send_sizes", total=tensor.shape[normalised], dim=normalised
+        )
+    receives: list[int] | None = None
+    if recv_sizes is not None:
+        receives, recv_problem = check_sizes(recv_sizes, comm.size, what, "recv_sizes")
+        if recv_problem is None and sends is not None and receives[comm.rank] != sends[comm.rank]:
+            recv_problem = ValueError(
+                f"{what}: recv_sizes[{comm.rank}]={receives[comm.rank]}, but this rank sends itself "
+                f"send_sizes[{comm.rank}]={sends[comm.rank]} slices; they must be equal."
+            )
+        problem = problem or recv_problem
+    learned: list[int] | None = None
+    if recv_sizes is None or (validation_enabled() and comm.size > 1):
+        learned = _exchange_counts(comm, sends if problem is None else None)
+        if problem is None and receives is not None and min(learned) >= 0 and learned != receives:
+            problem = ValueError(
+                f"{what}: recv_sizes={receives}, but the ranks send {learned} to rank {comm.rank}; pass the sizes "
+                "they send (or leave recv_sizes out to learn them)."
+            )
+    local = signature(
+        tensor if isinstance(tensor, torch.Tensor) else None,
+        grad_flag(tensor),
+        dim,
+        int(recv_sizes is not None),
+        skip_dim=normalised,
+    )
+    agree_checked(comm, what, local, "dtype, shape (but along dim), requires_grad, dim, use of recv_sizes", problem)
+    if learned is not None:
+        raise_if_flagged(learned, what, None)
+    return _Alltoall.apply(tensor, sends, receives if receives is not None else learned, normalised, comm)

@@ -1,0 +1,498 @@
+"""Point-to-point ops: ``send``, ``recv``, ``sendrecv``, ``isend`` and ``irecv``, all on the autograd path.
+
+Adjoints (objective = sum of every rank's loss, ``L = sum_r L_r``). A message is the linear map ``y_d = x_s``
+from the sender s to the receiver d, so with ``g_d = dL_d/dy_d``:
+
+- ``send(x, dst=d)`` on s: ``dL/dx = g_d``; backward receives the gradient from d. The sender holds no result,
+  only a :class:`Placeholder` held by d; ``placeholder.backward()`` (or ``loss + placeholder``) runs that receive.
+- ``recv(src=s)`` on d: backward sends ``g_d`` to s. Nothing flows into d's own graph.
+- ``sendrecv(x, dst, src)``: ``y_r = x_src``; backward sends ``g_r`` to ``src`` and receives the gradient of
+  ``x_r`` from ``dst``: a sendrecv of the gradients with ``dst`` and ``src`` swapped.
+- ``isend``/``irecv``: as send/recv, split over the Start/Finish nodes of :mod:`handles`: irecv's backward
+  posts an Isend of the gradient, isend's backward posts an Irecv that completes where autograd needs it.
+
+Wire protocol. Receivers pass no tensor: every message is two MPI messages on ``comm.forward`` with the user's
+tag, a header of ``HEADER_LENGTH + 1`` int64 values (:class:`TensorMeta`: dtype, requires_grad, shape; then the
+sender's running *number* of the message for this destination) and then the data, moved bit-exactly with
+:func:`transfer_type`. ``requires_grad`` in the header is the sender's ``tensor.requires_grad`` under grad mode;
+when it is set, the received tensor requires grad and its backward returns the gradient. Gradients travel on
+``comm.backward`` with tag ``number mod (MPI_TAG_UB + 1)``, so each gradient finds its message even when
+backward passes run in another order than the forward messages (micro-batches of a pipeline, several messages
+with one tag).
+
+Message order. A header can only be received before its data, and the data receive can only be posted once the
+header is there. Receives from the same ``(src, tag)`` are therefore queued per rank: only the oldest one has its
+header receive posted; when its header arrives its data receive is posted and then the next header receive. So
+MPI matches headers and data in order, and receives match messages in the order they were called (``irecv`` then
+``recv`` from the same source and tag get the first and second message, as in MPI).
+
+Deadlock safety.
+
+- Forward: every wait in this module (a blocking op, ``Handle.wait()``, a backward receive) waits on its own
+  requests *and* on the headers of queued receives, posting their data receives as soon as the headers arrive
+  (:func:`_wait`). So two ranks that ``isend`` rendezvous-size tensors to each other and ``irecv`` them can wait
+  for the handles in any order. ``Handle.test()`` makes the same progress without blocking.
+- Backward: gradient *sends* (backward of recv, irecv and of sendrecv's receive) are ``Isend`` and never waited
+  for inside backward: the request and a buffer it owns go to a list; finished ones are released at the end of
+  each backward pass (``Variable._execution_engine.queue_callback``), by every later p2p call and by
+  :func:`wait_backward_sends`; any left are waited for at interpreter exit. Gradient *receives* (backward of send,
+  isend and sendrecv) block where autograd needs the value. A rank's backward therefore only waits for gradients
+  it needs, never for a peer to take one: ranks exchanging rendezvous-size messages in both directions cannot
+  deadlock in backward, and neither can ranks that run separate backward passes (such as a pipeline's
+  micro-batches) in different orders. Waiting at the end of each backward pass would deadlock in the second case.
+
+Self messages. ``send``/``recv`` with the own rank raise (a blocking send to oneself waits forever);
+``sendrecv(x, dst=rank, src=rank)``, ``isend``/``irecv`` to and from the own rank work.
+
+Limitations. ``MPI.ANY_SOURCE`` and ``MPI.ANY_TAG`` are not supported (the gradient must go back to a rank known
+when the receive is posted). The data of an ``irecv`` is received while this rank is inside a p2p call (including
+``handle.test()``); a peer blocked in a large ``send`` to it waits until then, so call ``handle.test()`` or
+``wait()`` before blocking in a collective that the sender only reaches after its send. A rank that holds a
+gradient-carrying result must run its backward, or the peer waiting for that gradient hangs. Receivers under
+``torch.no_grad()`` must only receive from senders under ``no_grad`` too. Not thread-safe: call p2p ops (and
+backward through them) from one thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections import deque
+
+import torch
+from mpi4py import MPI
+
+from mpistrategy.collectives.handles import Handle, Link, Pending
+from mpistrategy.collectives.placeholder import Placeholder, anchor
+from mpistrategy.comm.buffers import empty_on_wire, mpi_buffer, off_wire, on_wire
+from mpistrategy.comm.checks import check_rank
+from mpistrategy.comm.communicator import Communicator, resolve
+from mpistrategy.comm.metadata import HEADER_LENGTH, TensorMeta
+
+# The p2p header: TensorMeta's HEADER_LENGTH values, then the sender's number for the message.
+_HEADER_LENGTH = HEADER_LENGTH + 1
+
+_numbers: dict[tuple[Communicator, int], int] = {}  # next message number, per (communicator, destination)
+_tag_bounds: dict[Communicator, int] = {}
+_arriving: dict[tuple[Communicator, int, int], deque[_Incoming]] = {}  # receives without a posted data receive
+_backward_sends: list[tuple[MPI.Request, torch.Tensor]] = []  # gradient Isends in flight and their buffers
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _tag_bound(comm: Communicator) -> int:
+    bound = _tag_bounds.get(comm)
+    if bound is None:
+        bound = _tag_bounds[comm] = int(comm.comm.Get_attr(MPI.TAG_UB))
+    return bound
+
+
+def _check_tag(tag: int, comm: Communicator, what: str) -> None:
+    bound = _tag_bound(comm)
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= bound:
+        raise ValueError(
+            f"{what}: tag={tag!r} is not a valid tag; pass an int between 0 and {bound} (MPI_TAG_UB of this "
+            "communicator). MPI.ANY_TAG is not supported."
+        )
+
+
+def _check_peer(peer: int, comm: Communicator, what: str, role: str, allow_self: bool) -> None:
+    if role == "src" and isinstance(peer, int) and not isinstance(peer, bool) and peer == MPI.ANY_SOURCE:
+        raise ValueError(
+            f"{what}: {role}=MPI.ANY_SOURCE is not supported (the gradient must go back to a rank known when the "
+            f"receive is posted); pass the sending rank, between 0 and {comm.size - 1}."
+        )
+    check_rank(peer, comm, what, role)
+    if peer == comm.rank and not allow_self:
+        raise ValueError(
+            f"{what}: {role}={peer} is this rank itself, and a blocking {what} with itself would wait forever. "
+            f"Use sendrecv(tensor, dst={peer}, src={peer}), or isend and irecv, to send a tensor to the own rank."
+        )
+
+
+def _prepare_send(
+    tensor: torch.Tensor, dst: int, tag: int, comm: MPI.Comm | Communicator | None, what: str, allow_self: bool
+) -> tuple[Communicator, torch.Tensor]:
+    """Check the arguments of a send and build its header (numbered by :func:`_number`)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor to send, got {type(tensor).__name__}.")
+    comm = resolve(comm, collective=False)
+    _check_peer(dst, comm, what, "dst", allow_self)
+    _check_tag(tag, comm, what)
+    header = torch.zeros(_HEADER_LENGTH, dtype=torch.int64)
+    meta = TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad and torch.is_grad_enabled())
+    header[:HEADER_LENGTH] = meta.encode(what)
+    return comm, header
+
+
+def _number(header: torch.Tensor, comm: Communicator, dst: int) -> int:
+    """Give the message its number for ``dst`` (once every check has passed)."""
+    number = _numbers.get((comm, dst), 0)
+    _numbers[(comm, dst)] = number + 1
+    header[HEADER_LENGTH] = number
+    return number
+
+
+def _backward_tag(number: int, comm: Communicator) -> int:
+    return number % (_tag_bound(comm) + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Progress: queued receives, waits that keep them moving, gradient sends in flight
+
+
+class _Incoming:
+    """One message on its way in: first its header, then its data."""
+
+    __slots__ = ("comm", "src", "tag", "device", "header", "request", "meta", "number", "buffer")
+
+    def __init__(self, comm: Communicator, src: int, tag: int, device: torch.device) -> None:
+        self.comm, self.src, self.tag, self.device = comm, src, tag, device
+        self.header = torch.empty(_HEADER_LENGTH, dtype=torch.int64)
+        self.request = MPI.REQUEST_NULL  # the header receive, then the data receive
+        self.meta: TensorMeta | None = None  # set once the header has arrived
+        self.number = -1
+        self.buffer: torch.Tensor | None = None
+
+    def post_header(self) -> None:
+        self.request = self.comm.forward.Irecv(mpi_buffer(self.header), self.src, self.tag)
+
+    def post_data(self) -> None:
+        meta = TensorMeta.decode(self.header[:HEADER_LENGTH])
+        self.number = int(self.header[HEADER_LENGTH])
+        self.buffer = empty_on_wire(meta.shape, meta.dtype, self.device)
+        self.request = self.comm.forward.Irecv(mpi_buffer(self.buffer), self.src, self.tag)
+        self.meta = meta
+
+    def result(self) -> torch.Tensor:
+        return off_wire(self.buffer, self.meta.dtype, self.device)
+
+
+def _expect(comm: Communicator, src: int, tag: int, device: torch.device) -> _Incoming:
+    """Queue a receive from ``src`` with ``tag``; its header receive is posted when it reaches the queue's head."""
+    entry = _Incoming(comm, src, tag, device)
+    queue = _arriving.setdefault((comm, src, tag), deque())
+    queue.append(entry)
+    if len(queue) == 1:
+        entry.post_header()
+    _progress()
+    return entry
+
+
+def _progress() -> None:
+    """Never blocks: post the data receive of every queued message whose header has arrived (then the next
+    header receive of its queue), and release the gradient sends that have completed."""
+    for key in list(_arriving):
+        queue = _arriving[key]
+        while queue and queue[0].request.Test():
+            queue.popleft().post_data()
+            if queue:
+                queue[0].post_header()
+        if not queue:
+            del _arriving[key]
+    if _backward_sends:
+        _backward_sends[:] = [(request, buffer) for request, buffer in _backward_sends if not request.Test()]
+
+
+def _heads() -> list[MPI.Request]:
+    return [queue[0].request for queue in _arriving.values()]
+
+
+def _wait(requests: list[MPI.Request]) -> None:
+    """``MPI_Waitall(requests)`` that meanwhile posts the data receives of queued messages whose headers arrive,
+    so that a peer's send to this rank never waits for this rank to leave the wait."""
+    requests = list(requests)
+    while any(request != MPI.REQUEST_NULL for request in requests):
+        _progress()
+        heads = _heads()
+        if not heads:
+            MPI.Request.Waitall(requests)
+            break
+        MPI.Request.Waitany(requests + heads)  # completed requests become MPI.REQUEST_NULL in place
+
+
+def _wait_header(entry: _Incoming) -> None:
+    _progress()
+    while entry.meta is None:  # still queued, so there is at least one header receive to wait on
+        MPI.Request.Waitany(_heads())
+        _progress()
+
+
+def _receive(entry: _Incoming) -> torch.Tensor:
+    _wait_header(entry)
+    _wait([entry.request])
+    return entry.result()
+
+
+def _send_gradient(grad: torch.Tensor, peer: int, number: int, comm: Communicator) -> None:
+    """Post the gradient of message ``number`` back to ``peer`` without waiting for it (see Deadlock safety)."""
+    buffer = on_wire(grad)
+    if buffer.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+        buffer = buffer.clone()  # the send outlives this backward node: it must own its buffer
+    request = comm.backward.Isend(mpi_buffer(buffer), peer, _backward_tag(number, comm))
+    _backward_sends.append((request, buffer))
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(_progress)
+    except RuntimeError:  # not inside a backward pass: later p2p calls release it
+        pass
+
+
+def _receive_gradient(
+    shape: torch.Size, dtype: torch.dtype, device: torch.device, peer: int, number: int, comm: Communicator
+) -> _Requests:
+    """Post the receive of the gradient of message ``number`` from ``peer``; ``wait()`` returns it."""
+    buffer = empty_on_wire(tuple(shape), dtype, device)
+    request = comm.backward.Irecv(mpi_buffer(buffer), peer, _backward_tag(number, comm))
+    return _Requests([request], lambda: off_wire(buffer, dtype, device), keepalive=(buffer,))
+
+
+def wait_backward_sends() -> None:
+    """Block until every gradient this rank sent in a backward pass has been received by its peer.
+
+    Gradient sends are never waited for inside backward (so that backward cannot deadlock); this completes them,
+    for instance before freeing a communicator. It runs by itself at interpreter exit.
+    """
+    _wait([request for request, _ in _backward_sends])
+    _progress()
+
+
+@atexit.register
+def _complete_at_exit() -> None:
+    if _backward_sends and MPI.Is_initialized() and not MPI.Is_finalized():
+        wait_backward_sends()
+
+
+class _Requests(Pending):
+    """A :class:`Pending` whose ``wait`` and ``test`` keep queued receives progressing."""
+
+    __slots__ = ()
+
+    def wait(self):
+        _wait(self.requests)
+        return self.finish()
+
+    def test(self) -> bool:
+        _progress()
+        return super().test()
+
+
+class _Arrival(Pending):
+    """irecv's forward request: done when the message's data has arrived."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: _Incoming) -> None:
+        super().__init__([], entry.result)
+        self.entry = entry
+
+    def wait(self) -> torch.Tensor:
+        return _receive(self.entry)
+
+    def test(self) -> bool:
+        _progress()
+        return self.entry.meta is not None and self.entry.request.Test()
+
+
+def _post_send(
+    tensor: torch.Tensor, header: torch.Tensor, dst: int, tag: int, comm: Communicator
+) -> tuple[list[MPI.Request], tuple[torch.Tensor, torch.Tensor]]:
+    """Post the header and the data of one message; returns the requests and the buffers they use."""
+    data = on_wire(tensor)
+    requests = [
+        comm.forward.Isend(mpi_buffer(header), dst, tag),
+        comm.forward.Isend(mpi_buffer(data), dst, tag),
+    ]
+    return requests, (header, data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autograd nodes of the blocking ops
+
+
+class _Send(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, header: torch.Tensor, dst: int, tag: int, comm: Communicator):
+        ctx.dst, ctx.comm, ctx.number = dst, comm, int(header[HEADER_LENGTH])
+        ctx.shape, ctx.dtype, ctx.device = tensor.shape, tensor.dtype, tensor.device
+        requests, _buffers = _post_send(tensor, header, dst, tag, comm)
+        _wait(requests)
+        return tensor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        pending = _receive_gradient(ctx.shape, ctx.dtype, ctx.device, ctx.dst, ctx.number, ctx.comm)
+        return pending.wait(), None, None, None, None
+
+
+class _Recv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, link: torch.Tensor, entry: _Incoming, comm: Communicator):
+        ctx.src, ctx.number, ctx.comm, ctx.link_dtype = entry.src, entry.number, comm, link.dtype
+        return _receive(entry)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _send_gradient(grad, ctx.src, ctx.number, ctx.comm)
+        return torch.zeros(0, dtype=ctx.link_dtype), None, None
+
+
+class _SendRecv(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        tensor: torch.Tensor,
+        link: torch.Tensor,
+        entry: _Incoming,
+        sending: tuple[list[MPI.Request], tuple],
+        number: int,
+        dst: int,
+        comm: Communicator,
+    ):
+        ctx.comm, ctx.dst, ctx.src, ctx.link_dtype = comm, dst, entry.src, link.dtype
+        ctx.sent_number, ctx.received_number = number, entry.number
+        ctx.shape, ctx.dtype, ctx.device = tensor.shape, tensor.dtype, tensor.device
+        ctx.return_gradient = entry.meta.requires_grad  # src expects the gradient of what it sent
+        result = _receive(entry)
+        _wait(sending[0])
+        return result
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.return_gradient:
+            _send_gradient(grad, ctx.src, ctx.received_number, ctx.comm)
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            pending = _receive_gradient(ctx.shape, ctx.dtype, ctx.device, ctx.dst, ctx.sent_number, ctx.comm)
+            grad_in = pending.wait()
+        return grad_in, torch.zeros(0, dtype=ctx.link_dtype), None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public ops
+
+
+def send(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None) -> Placeholder:
+    """Send ``tensor`` to rank ``dst``; returns when the tensor may be reused (``MPI_Send`` semantics).
+
+    The sender holds no result: it gets a :class:`Placeholder` held by ``dst``. If ``tensor`` requires grad, the
+    placeholder takes part in backward: ``placeholder.backward()`` (or adding it to the loss) receives the
+    gradient ``dst`` computes for the received tensor and flows it into ``tensor``'s graph.
+
+    Args:
+        tensor: any shape (up to 12 dimensions), dtype, layout or device (CUDA is staged through host memory
+            unless MPI is CUDA-aware); its shape, dtype and requires_grad travel ahead of it.
+        dst: the receiving rank, not this rank (use :func:`sendrecv` or :func:`isend` to send to oneself).
+        tag: an int between 0 and ``MPI_TAG_UB``; messages with one ``(dst, tag)`` arrive in order.
+        comm: an mpi4py communicator or :class:`Communicator` (default: the world). A communicator other than
+            the world must have been wrapped with ``mpistrategy.Communicator(comm)`` on all its ranks first.
+    """
+    comm, header = _prepare_send(tensor, dst, tag, comm, "send", allow_self=False)
+    _progress()
+    _number(header, comm, dst)
+    result = _Send.apply(tensor, header, dst, tag, comm)
+    return Placeholder("send", dst, tuple(tensor.shape), tensor.dtype, result)
+
+
+def recv(
+    src: int,
+    tag: int = 0,
+    comm: MPI.Comm | Communicator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Receive the tensor that rank ``src`` sends with ``tag``; no buffer or shape is needed.
+
+    The result has the sender's shape and dtype and lives on ``device`` (default: the CPU). If the sender's tensor
+    required grad, the result requires grad and its backward sends the gradient back to ``src`` (where the
+    sender's placeholder receives it).
+    """
+    comm = resolve(comm, collective=False)
+    _check_peer(src, comm, "recv", "src", allow_self=False)
+    _check_tag(tag, comm, "recv")
+    entry = _expect(comm, src, tag, torch.device(device) if device is not None else torch.device("cpu"))
+    _wait_header(entry)
+    return _Recv.apply(anchor(entry.meta.requires_grad, entry.meta.dtype), entry, comm)
+
+
+def sendrecv(
+    tensor: torch.Tensor, dst: int, src: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None
+) -> torch.Tensor:
+    """Send ``tensor`` to ``dst`` and receive the tensor ``src`` sends, at once (``MPI_Sendrecv``, deadlock-free).
+
+    The received tensor may differ in shape and dtype from ``tensor``; it lives on ``tensor``'s device. ``dst``
+    and ``src`` may be this rank. Backward: the gradient of the result goes back to ``src`` (if ``src``'s tensor
+    required grad) and the gradient of ``tensor`` comes from ``dst``: a sendrecv with ``dst`` and ``src`` swapped.
+    If only this rank's ``tensor`` requires grad, the result still carries the graph that receives its gradient,
+    so it must reach this rank's loss.
+    """
+    comm, header = _prepare_send(tensor, dst, tag, comm, "sendrecv", allow_self=True)
+    _check_peer(src, comm, "sendrecv", "src", allow_self=True)
+    _progress()
+    number = _number(header, comm, dst)
+    sending = _post_send(tensor, header, dst, tag, comm)
+    entry = _expect(comm, src, tag, tensor.device)
+    _wait_header(entry)
+    link = anchor(entry.meta.requires_grad, entry.meta.dtype)
+    return _SendRecv.apply(tensor, link, entry, sending, number, dst, comm)
+
+
+def isend(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None) -> Handle:
+    """Non-blocking :func:`send`: ``handle.wait()`` returns the :class:`Placeholder` once ``tensor`` may be reused.
+
+    Do not modify ``tensor`` before ``wait()``. ``dst`` may be this rank (matched by an :func:`irecv`). Backward of
+    the placeholder posts the receive of the gradient when autograd reaches the Finish node and waits for it at
+    the Start node, where ``tensor``'s gradient is needed.
+    """
+    comm, header = _prepare_send(tensor, dst, tag, comm, "isend", allow_self=True)
+    _progress()
+    number = _number(header, comm, dst)
+    shape, dtype, device = tensor.shape, tensor.dtype, tensor.device
+
+    def start_forward(source: torch.Tensor) -> Pending:
+        requests, buffers = _post_send(source, header, dst, tag, comm)
+        return _Requests(requests, lambda: torch.empty(0, dtype=dtype, device=device), keepalive=buffers)
+
+    def start_backward(_grad: torch.Tensor) -> Pending:
+        return _receive_gradient(shape, dtype, device, dst, number, comm)
+
+    def wrap(result: torch.Tensor) -> Placeholder:
+        return Placeholder("isend", dst, tuple(shape), dtype, result)
+
+    return Handle(tensor, Link(start_forward, start_backward), wrap)
+
+
+def irecv(
+    src: int,
+    tag: int = 0,
+    comm: MPI.Comm | Communicator | None = None,
+    device: torch.device | str | None = None,
+) -> Handle:
+    """Non-blocking :func:`recv`: ``handle.wait()`` returns the received tensor, ``handle.test()`` polls.
+
+    The header receive is posted now (behind earlier receives from the same ``src`` and ``tag``); the data
+    receive is posted as soon as the header has arrived and this rank is in a p2p call (``test()``, ``wait()``
+    or any other). ``src`` may be this rank. Backward posts an Isend of the gradient to ``src``.
+    """
+    comm = resolve(comm, collective=False)
+    _check_peer(src, comm, "irecv", "src", allow_self=True)
+    _check_tag(tag, comm, "irecv")
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    entry = _expect(comm, src, tag, target)
+    # Whether the result requires grad is only known when the header arrives: link it for now (wrap drops the
+    # link if the sender wants no gradient). The link lives on the result's device, as handles' token must.
+    link = torch.zeros(0, device=target, requires_grad=True)
+
+    def start_forward(_link: torch.Tensor) -> Pending:
+        return _Arrival(entry)
+
+    def start_backward(grad: torch.Tensor) -> Pending:
+        _send_gradient(grad, src, entry.number, comm)
+        return _Requests([], lambda: torch.zeros(0, device=target))
+
+    def wrap(result: torch.Tensor) -> torch.Tensor:
+        return result if entry.meta.requires_grad else result.detach()
+
+    return Handle(link, Link(start_forward, start_backward), wrap)
+
+
+__all__ = ["irecv", "isend", "recv", "send", "sendrecv", "wait_backward_sends"]

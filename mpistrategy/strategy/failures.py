@@ -1,0 +1,134 @@
+"""Failure handling: an error on one rank ends every rank; a stop signal stops every rank at the same step.
+
+Abort on exception. When one rank raises, the others are (or soon will be) blocked in a collective that can
+never complete: without intervention the job hangs until the scheduler's time limit. :func:`abort` prints the
+exception with its rank and traceback, flushes, and calls ``MPI.COMM_WORLD.Abort(1)``, which makes the launcher
+(``mpiexec``, ``srun``) kill every rank with a non-zero exit code. The strategy calls it from Lightning's
+``on_exception`` hook (exceptions inside ``fit``/``validate``/``test``/``predict``), and
+:func:`install_excepthook` covers uncaught exceptions anywhere else in the script. A rank killed outright (SIGKILL,
+out-of-memory) is handled by the launcher itself, which tears the job down when one process dies.
+
+Coordinated stop. SIGTERM (preemption, ``scancel``) and SIGUSR1 (SLURM's ``--signal``, forwarded by MPICH's
+``mpiexec``) may reach the ranks at different times, or only one of them. :class:`StopSignals` only records the
+signal; at the end of each training step that ended with an optimizer step, every rank contributes its flag to a
+max-allreduce, so all ranks decide together, at the same step, to save a checkpoint and stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterable
+from types import FrameType, TracebackType
+
+import numpy as np
+from mpi4py import MPI
+
+_excepthook_installed = False
+_abort_lock = threading.Lock()
+
+
+def _world() -> tuple[int, int]:
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def format_failure(error: BaseException, tb: TracebackType | None = None) -> str:
+    """The error's traceback, headed by the rank that raised it."""
+    rank, size = _world()
+    lines = traceback.format_exception(type(error), error, tb if tb is not None else error.__traceback__)
+    header = f"[mpistrategy] rank {rank} of {size} (pid {os.getpid()}) raised an exception; aborting all ranks.\n"
+    return header + "".join(lines)
+
+
+def abort(error: BaseException, tb: TracebackType | None = None, code: int = 1) -> None:
+    """Print ``error`` with its rank and traceback to stderr, flush, and abort every rank of the job.
+
+    Returns without aborting in a world of one process (nothing can hang; the exception propagates as usual).
+    """
+    _, size = _world()
+    if size == 1:
+        return
+    with _abort_lock:
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - a broken stdout must not prevent the abort
+            pass
+        try:
+            sys.stderr.write(format_failure(error, tb))
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        MPI.COMM_WORLD.Abort(code)
+
+
+def install_excepthook() -> None:
+    """Abort every rank on an uncaught exception (after printing it with its rank). Idempotent."""
+    global _excepthook_installed
+    if _excepthook_installed:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(error, SystemExit) and error.code in (None, 0):
+            previous(kind, error, tb)
+            return
+        abort(error, tb)
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
+    _excepthook_installed = True
+
+
+def is_coordinated_stop(error: BaseException) -> bool:
+    """Whether ``error`` was raised on every rank together by a coordinated stop (not a failure)."""
+    return bool(getattr(error, "_mpistrategy_coordinated_stop", False))
+
+
+def mark_coordinated_stop(error: BaseException) -> BaseException:
+    error._mpistrategy_coordinated_stop = True  # type: ignore[attr-defined]
+    return error
+
+
+class StopSignals:
+    """Records stop signals and turns them into one decision shared by all ranks.
+
+    Args:
+        signals: the signals that request a stop (default SIGTERM and SIGUSR1).
+        comm: the communicator the decision is made on (every rank must call :meth:`decide` together).
+    """
+
+    def __init__(self, signals: Iterable[int], comm: MPI.Intracomm) -> None:
+        self.signals = tuple(signals)
+        self.comm = comm
+        self.received: int = 0
+        self._previous: dict[int, object] = {}
+        self._flag = np.zeros(1, dtype=np.int64)
+
+    def install(self) -> None:
+        """Take over the signals (replacing the handlers Lightning installed, which would stop one rank alone)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self.signals:
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        """Give the signals back to their previous handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.received = signum
+
+    def decide(self) -> int:
+        """Collective: the signal number some rank received (the largest), or 0 when none did."""
+        self._flag[0] = self.received
+        if self.comm.Get_size() > 1:
+            self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
+        return int(self._flag[0])

@@ -1,0 +1,400 @@
+"""The ``mpi_ad`` Lightning strategy: data-parallel training over MPI with differentiable collectives.
+
+``Trainer(strategy="mpi_ad")`` (or ``strategy=MPIADStrategy(...)``) under ``mpiexec -n N python train.py``,
+``srun --mpi=pmi2 python train.py`` or a plain ``python train.py``: no MASTER_ADDR, ports or torch.distributed.
+This class only overrides Lightning's hooks and delegates:
+
+- ranks and nodes: :class:`~mpistrategy.strategy.environment.MPIEnvironment` (from MPI, also under srun);
+- gradients: :class:`~mpistrategy.strategy.reducer.GradientReducer` (buckets whose non-blocking combination
+  starts during backward, finished in ``post_backward`` before clipping and the optimizer step; no sync inside
+  ``block_backward_sync``, i.e. on the intermediate micro-batches of gradient accumulation), combining with a
+  pluggable :class:`~mpistrategy.aggregation.Aggregator` (default: :class:`~mpistrategy.aggregation.MeanAggregator`);
+- ``reduce``, ``all_gather``, ``broadcast``, ``barrier``, torchmetrics sync, the initial broadcast of parameters and
+  buffers from rank 0: :mod:`~mpistrategy.strategy.sync`;
+- ``sync_batchnorm=True``: :class:`mpistrategy.nn.SyncBatchNorm`, built on the differentiable allreduce;
+- failures and stop signals: :mod:`~mpistrategy.strategy.failures`.
+
+Checkpoints are written by rank 0 atomically (temporary file, then ``os.replace``) and read by every rank (rank 0
+reads and broadcasts when some rank cannot see the file). The aggregator's state is stored in the checkpoint under
+``"mpistrategy"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Generator, Iterable
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import Tensor
+
+from mpistrategy.aggregation.base import Aggregator
+from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.comm.communicator import world
+from mpistrategy.strategy import failures, sync
+from mpistrategy.strategy.environment import MPIEnvironment
+from mpistrategy.strategy.framework import LIGHTNING, framework
+from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.strategy.topology import Topology
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "mpistrategy"
+_DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class MPIADStrategyMixin:
+    """The strategy's implementation, shared by the ``lightning.pytorch`` and ``pytorch_lightning`` classes.
+
+    Args:
+        aggregator: how gradient buckets are combined (default: :class:`~mpistrategy.aggregation.MeanAggregator`).
+        bucket_cap_mb: gradient bucket size cap in MB (DDP's default 25).
+        first_bucket_cap_mb: cap of the first bucket, which is started first (DDP's default 1).
+        abort_on_exception: abort every rank when one raises (prints the traceback first). Turn off only for a
+            deliberate, identical exception on every rank that the script catches.
+        stop_signals: signals that trigger a coordinated stop (default SIGTERM and SIGUSR1); ``()`` leaves
+            Lightning's own handling in place.
+        checkpoint_on_stop: save a checkpoint (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, which
+            ``fit(ckpt_path="hpc")`` resumes from) before a coordinated stop.
+        set_num_threads: when ``OMP_NUM_THREADS`` is unset, give each rank ``cpu_count // ranks_per_node``
+            torch threads (as Lightning does for the processes it launches).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for any Lightning
+            parallel strategy; the cluster environment defaults to :class:`MPIEnvironment`.
+    """
+
+    strategy_name = "mpi_ad"
+    _framework_name: str = LIGHTNING
+    _environment_class: type = MPIEnvironment
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        *,
+        aggregator: Aggregator | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        abort_on_exception: bool = True,
+        stop_signals: Iterable[int] = _DEFAULT_STOP_SIGNALS,
+        checkpoint_on_stop: bool = True,
+        set_num_threads: bool = True,
+    ) -> None:
+        if cluster_environment is None:
+            cluster_environment = self._environment_class()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.aggregator: Aggregator = aggregator if aggregator is not None else MeanAggregator()
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.abort_on_exception = abort_on_exception
+        self.checkpoint_on_stop = checkpoint_on_stop
+        self.set_num_threads = set_num_threads
+        self._stop_signal_numbers = tuple(stop_signals)
+        self._stop: failures.StopSignals | None = None
+        self._stop_callback: Any = None
+        self._reducer: GradientReducer | None = None
+        self._sync_gradients = True
+        self._aggregator_state: dict[str, Any] | None = None
+        self._layer_sync_applied: Any = None
+        if self.abort_on_exception and self.world_size > 1:
+            failures.install_excepthook()
+
+    # --------------------------------------------------------------------------------------------- ranks
+
+    @property
+    def _fw(self):
+        return framework(self._framework_name)
+
+    @property
+    def topology(self) -> Topology:
+        """Ranks, nodes and communicators of this process (from the cluster environment)."""
+        env = self.cluster_environment
+        if not hasattr(env, "topology"):
+            from mpistrategy.strategy.topology import topology
+
+            return topology()
+        return env.topology
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to use distributed samplers and to honour ``self.log(..., sync_dist=True)``."""
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        if devices[0].type == "cuda":
+            return torch.device("cuda", self.local_rank % max(1, torch.cuda.device_count()))
+        return devices[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.topology.num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != self.topology.num_nodes:
+            log.debug("mpi_ad: ignoring num_nodes=%s; MPI runs on %s node(s).", num_nodes, self.topology.num_nodes)
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return self.topology.local_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        """Called by the Trainer at construction: make ``rank_zero_only`` follow the MPI rank."""
+        from lightning_utilities.core.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = self.global_rank
+
+    # --------------------------------------------------------------------------------------------- setup
+
+    def setup_environment(self) -> None:
+        if self.set_num_threads and "OMP_NUM_THREADS" not in os.environ:
+            threads = max(1, _cpus_available() // max(1, self.topology.local_size))
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        fw = self._fw
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == fw.TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:
+            layer_sync = self._layer_sync
+            if isinstance(layer_sync, fw.TorchSyncBatchNorm):
+                layer_sync = fw.MPISyncBatchNorm()
+            self.model = layer_sync.apply(self.model)
+            self._layer_sync_applied = layer_sync
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        sync.broadcast_module_state(self.model, self.topology.control)
+        self._attach_metric_sync()
+        if fitting:
+            self.setup_optimizers(trainer)
+            if self.world_size > 1:
+                self._reducer = GradientReducer(
+                    self.model, self.aggregator, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb
+                )
+            if self._aggregator_state is not None:
+                self.aggregator.load_state_dict(self._aggregator_state)
+                self._aggregator_state = None
+            self._add_stop_callback(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            fw.optimizers_to_device(self.optimizers, self.root_device)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _attach_metric_sync(self) -> None:
+        if self.model is not None and self.world_size > 1:
+            sync.attach_metric_sync(self.model, self._gather_metric_state, _true)
+
+    def _gather_metric_state(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
+        return sync.gather_tensors(tensor, self.topology.control)
+
+    # ------------------------------------------------------------------------------------- gradient sync
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._reducer is not None:
+            self._reducer.prepare(sync=self._sync_gradients)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._reducer is not None:
+            self._reducer.wait()
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradients accumulate locally inside this context (no communication)."""
+        previous = self._sync_gradients
+        self._sync_gradients = False
+        try:
+            yield None
+        finally:
+            self._sync_gradients = previous
+
+    @property
+    def reducer(self) -> GradientReducer | None:
+        """The gradient buckets while fitting with more than one rank, else ``None``."""
+        return self._reducer
+
+    # -------------------------------------------------------------------------------------- collectives
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce a tensor over all ranks: ``reduce_op`` is "mean"/"sum"/"max"/"min" or a ``ReduceOp``.
+        Non-tensors are returned unchanged."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return sync.reduce_tensor(tensor, reduce_op, world())
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """Every rank's tensor stacked: shape ``(world_size, *tensor.shape)``; differentiable with ``sync_grads``."""
+        return sync.all_gather(tensor, world(), sync_grads)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s object (anything picklable) on every rank."""
+        return sync.broadcast_object(obj, src, self.topology.control)
+
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        if self.world_size > 1:
+            self.topology.control.Barrier()
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        from mpi4py import MPI
+
+        if self.world_size == 1:
+            return bool(decision)
+        return bool(self.topology.control.allreduce(bool(decision), op=MPI.LAND if all else MPI.LOR))
+
+    # -------------------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Rank 0 writes ``checkpoint`` atomically (temporary file + ``os.replace`` for local paths)."""
+        state = self.aggregator.state_dict()
+        if state:
+            checkpoint[CHECKPOINT_KEY] = {"aggregator": state}
+        if not self.is_global_zero:
+            return
+        path = os.fspath(filepath)
+        local = "://" not in path or path.startswith("file://")
+        if not local or isinstance(self.checkpoint_io, self._fw.AsyncCheckpointIO):
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        path = path.removeprefix("file://")
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+        try:
+            self.checkpoint_io.save_checkpoint(checkpoint, temporary, storage_options=storage_options)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Every rank reads the checkpoint; if some rank cannot see the file, rank 0 reads it and broadcasts it."""
+        path = os.fspath(checkpoint_path)
+        visible = "://" in path or os.path.exists(path)
+        control = self.topology.control
+        from mpi4py import MPI
+
+        if self.world_size == 1 or control.allreduce(visible, op=MPI.LAND):
+            checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        else:
+            loaded = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only) if self.is_global_zero else None
+            checkpoint = control.bcast(loaded, root=0)
+        state = checkpoint.get(CHECKPOINT_KEY, {}).get("aggregator")
+        if state:
+            if self._reducer is not None:
+                self.aggregator.load_state_dict(state)
+            else:
+                self._aggregator_state = state
+        return checkpoint
+
+    # -------------------------------------------------------------------------------------- failures
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Abort every rank (after printing the traceback) unless the exception is a coordinated stop."""
+        if failures.is_coordinated_stop(exception) or not self.abort_on_exception:
+            return
+        failures.abort(exception)
+
+    def _add_stop_callback(self, trainer: Any) -> None:
+        if not self._stop_signal_numbers:
+            return
+        if self._stop_callback is None:
+            self._stop_callback = self._fw.CoordinatedStop(self)
+        if self._stop_callback not in trainer.callbacks:
+            trainer.callbacks.append(self._stop_callback)
+
+    def on_train_start(self) -> None:
+        self._attach_metric_sync()
+        if self._stop_signal_numbers:
+            if self._stop is None:
+                self._stop = failures.StopSignals(self._stop_signal_numbers, self.topology.control)
+            self._stop.install()
+
+    def on_train_end(self) -> None:
+        if self._stop is not None:
+            self._stop.uninstall()
+
+    def on_validation_start(self) -> None:
+        self._attach_metric_sync()
+
+    def on_test_start(self) -> None:
+        self._attach_metric_sync()
+
+    def on_predict_start(self) -> None:
+        self._attach_metric_sync()
+
+    def _check_stop(self, trainer: Any) -> None:
+        """At the end of a training step, on every rank: stop together if any rank received a stop signal."""
+        if self._stop is None:
+            return
+        lightning_module = self.lightning_module
+        if lightning_module is not None and lightning_module.automatic_optimization:
+            should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
+            if should_accumulate is not None and should_accumulate():
+                return  # only stop where an optimizer step just happened (all ranks skip alike)
+        signum = self._stop.decide()
+        if not signum:
+            return
+        name = signal.Signals(signum).name
+        path = None
+        if self.checkpoint_on_stop:
+            path = self.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir), 0)
+            trainer.save_checkpoint(path)
+        if self.is_global_zero:
+            saved = f", checkpoint saved to {path}" if path else ""
+            log.warning(f"mpi_ad: {name} received; all ranks stop at global step {trainer.global_step}{saved}.")
+        raise failures.mark_coordinated_stop(self._fw.SIGTERMException())
+
+    # -------------------------------------------------------------------------------------- teardown
+
+    def teardown(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
+        if self._stop is not None:
+            self._stop.uninstall()
+        if self._layer_sync_applied is not None and self.model is not None:
+            self.model = self._layer_sync_applied.revert(self.model)
+            self._layer_sync_applied = None
+        super().teardown()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.world_size}, aggregator={self.aggregator!r})"
+
+
+class MPIADStrategy(MPIADStrategyMixin, ParallelStrategy):
+    """Data-parallel training over MPI for ``lightning.pytorch`` (see :class:`MPIADStrategyMixin` for options)."""
+
+
+def _true() -> bool:
+    return True
+
+
+def _cpus_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -1,0 +1,287 @@
+"""Gradient buckets and the backward hooks that start their combination while backward is still running.
+
+Layout. The parameters that require gradients are taken in reverse registration order (roughly the order their
+gradients become ready in backward) and packed into flat buckets, one dtype and device per bucket: the first
+bucket closes once it reaches ``first_bucket_cap_mb`` (small, so communication starts early), the others at
+``bucket_cap_mb`` (DDP's defaults: 1 MB and 25 MB). Every parameter's ``.grad`` is a view into its bucket, so the
+combined result lands directly in ``.grad``: nothing is flattened before or copied back after communication.
+
+Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientReducer.wait`):
+
+- ``register_post_accumulate_grad_hook`` fires when a parameter's gradient has been accumulated. If ``.grad`` is
+  not the bucket view (the optimizer's ``zero_grad(set_to_none=True)`` left it ``None`` and autograd created a
+  fresh tensor) it is copied into the view once and ``.grad`` re-pointed; later accumulations (gradient
+  accumulation) add in place.
+- When a bucket's last gradient lands, the bucket is handed to the :class:`~mpistrategy.aggregation.Aggregator`
+  (non-blocking). Buckets are started strictly in index order on every rank (a ready bucket waits for the ones
+  before it), because MPI matches collectives on a communicator by order.
+- :meth:`~GradientReducer.wait` (Lightning's ``post_backward``, before clipping and the optimizer step) starts
+  the buckets that did not complete, for parameters this rank did not use in this pass, with their current
+  gradient (zero if none) so that no rank waits for a bucket another rank never sends, then finishes every
+  bucket in order.
+
+Parameters whose ``requires_grad`` is False when backward starts are left alone (their ``.grad`` is not touched
+and buckets made only of them are skipped); ``requires_grad`` must be the same on every rank, as it is when every
+rank runs the same code. Parameters frozen when the reducer was built and unfrozen later are picked up: the
+buckets are rebuilt at the next backward.
+
+Limitations: sparse gradients are not supported; ``create_graph=True`` (double backward) loses the graph of
+``.grad`` when it is re-pointed into the bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBucket, Work
+from mpistrategy.comm.checks import set_validation, validation_enabled
+from mpistrategy.strategy.topology import Topology
+
+log = logging.getLogger(__name__)
+
+_MB = 1024 * 1024
+
+
+class BucketLayoutError(RuntimeError):
+    """Ranks built different gradient buckets: the models differ between ranks."""
+
+
+@contextlib.contextmanager
+def _unvalidated() -> Iterator[None]:
+    """Skip the per-op cross-rank checks for bucket operations: the layout was checked once when it was built.
+
+    The per-op check is a blocking allgather; inside backward it would turn every non-blocking start into a
+    synchronisation point.
+    """
+    enabled = validation_enabled()
+    if enabled:
+        set_validation(False)
+    try:
+        yield
+    finally:
+        if enabled:
+            set_validation(True)
+
+
+def assign_buckets(
+    params: Sequence[tuple[str, nn.Parameter]], bucket_cap_mb: float, first_bucket_cap_mb: float
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Group ``params`` (already in launch order) into buckets by dtype and device with the size caps."""
+    buckets: list[list[tuple[str, nn.Parameter]]] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    cap = first_bucket_cap_mb * _MB
+    for name, param in params:
+        key = (param.dtype, param.device)
+        bucket = open_buckets.setdefault(key, [])
+        bucket.append((name, param))
+        sizes[key] = sizes.get(key, 0) + param.numel() * param.element_size()
+        if sizes[key] >= cap:
+            buckets.append(open_buckets.pop(key))
+            sizes.pop(key)
+            cap = bucket_cap_mb * _MB
+    buckets.extend(open_buckets.values())
+    return buckets
+
+
+class GradientReducer:
+    """Flat gradient buckets over a module's parameters, combined by an aggregator during backward.
+
+    Args:
+        module: the model; its parameters that require gradients are bucketed.
+        aggregator: how buckets are combined (see :mod:`mpistrategy.aggregation`).
+        topology: this process's ranks and communicators; gradients travel on ``topology.gradients``.
+        bucket_cap_mb: size at which a bucket is closed.
+        first_bucket_cap_mb: size at which the first bucket is closed.
+
+    Building it is collective: ranks check once that they built the same layout.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        aggregator: Aggregator,
+        topology: Topology,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+    ) -> None:
+        self.module = module
+        self.aggregator = aggregator
+        self.topology = topology
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.buckets: list[GradBucket] = []
+        self._named = self._all_parameters()
+        self._covered: set[int] = set()
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._flags: tuple[bool, ...] = ()
+        self._active: list[list[bool]] = []
+        self._active_count: list[int] = []
+        self._pending: list[int] = []
+        self._works: list[Work | None] = []
+        self._next = 0
+        self._armed = False
+        self.started_in_backward = 0
+        self.started_at_wait = 0
+        self._build()
+
+    # ----------------------------------------------------------------------------------------------- layout
+
+    def _all_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.module.named_parameters())
+
+    def _build(self) -> None:
+        """(Re)build the buckets over the parameters that require gradients now, keeping current gradients."""
+        self._remove_hooks()
+        chosen = [(n, p) for n, p in self._named if p.requires_grad or id(p) in self._covered]
+        self._covered = {id(p) for _, p in chosen}
+        groups = assign_buckets(list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb)
+        self.buckets = []
+        for index, group in enumerate(groups):
+            numels = [p.numel() for _, p in group]
+            offsets = [sum(numels[:i]) for i in range(len(numels))]
+            first = group[0][1]
+            buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
+            views = [buffer[o : o + n].view_as(p) for o, n, (_, p) in zip(offsets, numels, group)]
+            params = [p for _, p in group]
+            for param, view in zip(params, views):
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                    param.grad = view
+            bucket = GradBucket(index, buffer, [n for n, _ in group], offsets, numels, params, views)
+            self.buckets.append(bucket)
+            for position, param in enumerate(params):
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, position)))
+        self._check_layout()
+        self._flags = ()
+        self.aggregator.setup(AggregationContext(self.topology.gradients, self.topology, self.buckets))
+        log.debug("GradientReducer: %s", self)
+
+    def _check_layout(self) -> None:
+        local = [(b.buffer.numel(), str(b.buffer.dtype), len(b.names)) for b in self.buckets]
+        everyone = self.topology.control.allgather(local)
+        if any(layout != local for layout in everyone):
+            listing = "; ".join(f"rank {r}: {len(x)} buckets, sizes {[s for s, _, _ in x]}" for r, x in enumerate(everyone))
+            raise BucketLayoutError(
+                "ranks built different gradient buckets, so their models differ (parameter shapes, dtypes or "
+                f"which parameters require gradients): {listing}. Every rank must build the same model."
+            )
+
+    def _hook(self, index: int, position: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(index, position, param)
+
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------------------------------- backward
+
+    def prepare(self, sync: bool) -> None:
+        """Called before backward: arm the hooks to start buckets (``sync``) or only accumulate (no sync)."""
+        flags = tuple(p.requires_grad for _, p in self._named)
+        if flags != self._flags:
+            if any(p.requires_grad and id(p) not in self._covered for _, p in self._named):
+                self._build()
+            self._flags = flags
+            self._active = [[p.requires_grad for p in b.params] for b in self.buckets]
+            self._active_count = [sum(a) for a in self._active]
+        self._armed = sync
+        if sync:
+            self._pending = list(self._active_count)
+            self._works = [None] * len(self.buckets)
+            self._next = 0
+            self.started_in_backward = 0
+            self.started_at_wait = 0
+
+    def _on_grad_ready(self, index: int, position: int, param: torch.Tensor) -> None:
+        bucket = self.buckets[index]
+        view = bucket.views[position]
+        grad = param.grad
+        if grad is not view and grad is not None:
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"parameter {bucket.names[position]!r} has a sparse gradient, which the mpi_ad strategy does "
+                    "not support; use a dense gradient (for example nn.Embedding(sparse=False))."
+                )
+            view.copy_(grad)
+            param.grad = view
+        if not self._armed or self._pending[index] <= 0:
+            return
+        self._pending[index] -= 1
+        if self._pending[index] == 0:
+            self._start_ready()
+        else:
+            self._progress()
+
+    def _start_ready(self) -> None:
+        """Start, in order, every bucket from the next one on that is ready (or has nothing to send)."""
+        count = len(self.buckets)
+        with _unvalidated():
+            while self._next < count and self._pending[self._next] <= 0:
+                if self._active_count[self._next]:
+                    self._works[self._next] = self.aggregator.start(self.buckets[self._next])
+                    self.started_in_backward += 1
+                self._next += 1
+
+    def _progress(self) -> None:
+        """Let MPI advance the buckets in flight (MPI progresses non-blocking collectives inside MPI calls)."""
+        for index in range(self._next):
+            work = self._works[index]
+            if work is not None:
+                work.test()
+                return
+
+    def wait(self) -> None:
+        """Called after backward, before clipping and the optimizer step: finish every bucket, in order."""
+        if not self._armed:
+            return
+        self._armed = False
+        with _unvalidated():
+            for index in range(self._next, len(self.buckets)):
+                if not self._active_count[index]:
+                    continue
+                bucket = self.buckets[index]
+                if self._pending[index] > 0:
+                    self._adopt_gradients(index)
+                self._works[index] = self.aggregator.start(bucket)
+                self.started_at_wait += 1
+            self._next = len(self.buckets)
+            for index, work in enumerate(self._works):
+                if work is not None:
+                    self.aggregator.finish(self.buckets[index], work)
+        self._works = [None] * len(self.buckets)
+
+    def _adopt_gradients(self, index: int) -> None:
+        """Point the ``.grad`` of a bucket's active parameters that got no gradient this pass at the bucket."""
+        bucket = self.buckets[index]
+        for active, param, view in zip(self._active[index], bucket.params, bucket.views):
+            if not active:
+                continue
+            grad = param.grad
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            param.grad = view
+
+    # ------------------------------------------------------------------------------------------- lifetime
+
+    def remove(self) -> None:
+        """Remove the hooks (the gradients stay where they are)."""
+        self._remove_hooks()
+        self._armed = False
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{b.nbytes / _MB:.2f} MB" for b in self.buckets)
+        return f"GradientReducer({len(self.buckets)} buckets: [{sizes}], aggregator={self.aggregator!r})"

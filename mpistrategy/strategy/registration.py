@@ -1,0 +1,180 @@
+"""Registering ``"mpi_ad"`` with Lightning, without making ``import mpistrategy`` import Lightning.
+
+Lightning has no entry points for strategies: a name must be put in ``StrategyRegistry`` by code that runs in the
+user's process. ``lightning.pytorch`` and ``pytorch_lightning`` keep separate registries, and importing either
+takes seconds, which users of the collectives alone should not pay. So :func:`install` (run by
+``import mpistrategy``) registers with each package that is already imported, and for each one that is not, adds
+a tiny import hook that registers right after that package finishes importing. Either way, by the time a
+``Trainer(strategy="mpi_ad")`` can be built, the name is registered.
+
+Registration also wraps the accelerator connector's cluster-environment choice: for the ``"mpi_ad"`` string,
+Lightning would otherwise build its ``SLURMEnvironment`` under ``srun`` (before the strategy exists), which raises
+for ``--ntasks`` without ``--ntasks-per-node``; for our strategy the MPI environment is chosen instead.
+
+:func:`install` also sets ``rank_zero_only.rank`` from MPI when the world has several ranks: Lightning guesses the
+rank from launcher variables only (RANK, LOCAL_RANK, SLURM_PROCID, JSM_NAMESPACE_RANK), so under ``mpiexec`` every
+rank would otherwise believe it is rank 0 until a Trainer exists.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NAME = "mpi_ad"
+DESCRIPTION = "Data-parallel training over MPI with differentiable collectives (mpistrategy)"
+
+_lock = threading.Lock()
+_registered: set[str] = set()
+
+
+def register_lightning() -> None:
+    """Register ``"mpi_ad"`` in ``lightning.pytorch``'s strategy registry (idempotent)."""
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from mpistrategy.strategy.environment import MPIEnvironment
+    from mpistrategy.strategy.mpi_ad import MPIADStrategy
+
+    _register(StrategyRegistry, MPIADStrategy, "lightning.pytorch")
+    _prefer_mpi_environment(_AcceleratorConnector, ClusterEnvironment, MPIEnvironment)
+
+
+def register_pytorch_lightning() -> None:
+    """Register ``"mpi_ad"`` in ``pytorch_lightning``'s strategy registry (idempotent)."""
+    from lightning_fabric.plugins.environments import ClusterEnvironment
+    from pytorch_lightning.strategies import StrategyRegistry
+    from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from mpistrategy.strategy.pytorch_lightning import MPIADStrategy, MPIEnvironment
+
+    _register(StrategyRegistry, MPIADStrategy, "pytorch_lightning")
+    _prefer_mpi_environment(_AcceleratorConnector, ClusterEnvironment, MPIEnvironment)
+
+
+def _register(registry: Any, strategy: type, package: str) -> None:
+    with _lock:
+        if package in _registered:
+            return
+        if NAME not in registry:
+            registry.register(NAME, strategy, description=DESCRIPTION)
+        _registered.add(package)
+
+
+def _prefer_mpi_environment(connector: type, base: type, environment: type) -> None:
+    """For ``strategy="mpi_ad"``, choose the MPI environment instead of probing launchers (SLURM would raise)."""
+    original = connector._choose_and_init_cluster_environment
+    if getattr(original, "_mpistrategy", False):
+        return
+
+    def choose(self: Any) -> Any:
+        if self._strategy_flag == NAME and not isinstance(self._cluster_environment_flag, base):
+            return environment()
+        return original(self)
+
+    choose._mpistrategy = True  # type: ignore[attr-defined]
+    choose.__doc__ = original.__doc__
+    connector._choose_and_init_cluster_environment = choose
+
+
+_REGISTRARS: dict[str, Callable[[], None]] = {
+    "lightning.pytorch": register_lightning,
+    "pytorch_lightning": register_pytorch_lightning,
+}
+
+
+def install() -> None:
+    """Set ``rank_zero_only`` from MPI and register ``"mpi_ad"`` with every Lightning package, now or on import."""
+    _set_rank_zero_only()
+    waiting = {}
+    for package, registrar in _REGISTRARS.items():
+        module = sys.modules.get(package)
+        if module is not None and not _initialising(module):
+            _safely(registrar, package)
+        else:
+            waiting[package] = registrar
+    if waiting and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport(waiting))
+
+
+def _set_rank_zero_only() -> None:
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return  # keep Lightning's own guess (another launcher may have set RANK)
+    try:
+        from lightning_utilities.core.rank_zero import rank_zero_only
+    except ImportError:
+        return
+    rank_zero_only.rank = MPI.COMM_WORLD.Get_rank()
+
+
+def _initialising(module: ModuleType) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+def _safely(registrar: Callable[[], None], package: str) -> None:
+    try:
+        registrar()
+    except Exception as error:  # noqa: BLE001 - an incompatible Lightning must not break `import mpistrategy`
+        warnings.warn(f"mpistrategy could not register the 'mpi_ad' strategy with {package}: {error!r}", stacklevel=2)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Import hook: after ``lightning.pytorch`` / ``pytorch_lightning`` is imported, register the strategy."""
+
+    def __init__(self, registrars: dict[str, Callable[[], None]]) -> None:
+        self._registrars = dict(registrars)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        registrar = self._registrars.get(fullname)
+        if registrar is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        del self._registrars[fullname]
+        if not self._registrars:
+            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        spec.loader = _LoaderThenRegister(spec.loader, registrar, fullname)
+        return spec
+
+
+class _LoaderThenRegister(importlib.abc.Loader):
+    """Delegates to the real loader, then registers (every other attribute comes from the real loader)."""
+
+    def __init__(self, loader: Any, registrar: Callable[[], None], package: str) -> None:
+        self._loader = loader
+        self._registrar = registrar
+        self._package = package
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _safely(self._registrar, self._package)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)

@@ -1,0 +1,141 @@
+"""What the strategy's collective methods do over MPI: reduce, all_gather, object broadcast, metric state gathers
+and the broadcast of a module's parameters and buffers from rank 0.
+
+Tensor reductions and gathers go through the differentiable collectives (so ``all_gather(sync_grads=True)`` is
+differentiable); small control traffic (objects, metric states, the initial broadcast) goes through the private
+``control`` communicator of the :class:`~mpistrategy.strategy.topology.Topology`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from mpistrategy.collectives.reduction import allreduce
+from mpistrategy.comm.buffers import empty_on_wire, mpi_buffer, off_wire, on_wire
+from mpistrategy.comm.communicator import Communicator
+
+_OP_NAMES = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
+
+
+def reduce_op_name(reduce_op: Any) -> str:
+    """``"avg"``, ``"sum"``, ``"max"`` or ``"min"`` for Lightning's ``reduce_op`` (a string or a ``ReduceOp``)."""
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+    else:
+        name = str(getattr(reduce_op, "name", reduce_op)).rsplit(".", 1)[-1].lower()
+    if name not in _OP_NAMES:
+        raise ValueError(
+            f"reduce: unsupported reduce_op {reduce_op!r}; use 'mean', 'sum', 'max', 'min' or the matching ReduceOp."
+        )
+    return _OP_NAMES[name]
+
+
+def reduce_tensor(tensor: torch.Tensor, reduce_op: Any, comm: Communicator) -> torch.Tensor:
+    """``tensor`` reduced over all ranks (as Lightning's DDP does, integer means are truncated to the dtype)."""
+    op = reduce_op_name(reduce_op)
+    if comm.size == 1:
+        return tensor
+    if op == "avg" and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        total = allreduce(tensor, "sum", comm)
+        return (total / comm.size).to(tensor.dtype)
+    if tensor.dtype == torch.bool and op in ("sum", "avg"):
+        return allreduce(tensor.to(torch.int64), "sum", comm)
+    return allreduce(tensor.contiguous(), op, comm)
+
+
+def all_gather(tensor: torch.Tensor, comm: Communicator, sync_grads: bool) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked along a new first dimension (shape ``(world_size, *tensor.shape)``).
+
+    With ``sync_grads`` the result is differentiable: rank r's input gets the sum over ranks of their cotangents
+    of block r (the adjoint of allgather under mpistrategy's sum-of-losses convention, as torch.distributed.nn).
+    """
+    from mpistrategy.collectives.gather import allgather
+
+    source = tensor if sync_grads else tensor.detach()
+    with torch.set_grad_enabled(sync_grads and torch.is_grad_enabled()):
+        return allgather(source.contiguous().unsqueeze(0), 0, comm)
+
+
+def gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` in a list, shapes allowed to differ (torchmetrics' ``dist_sync_fn`` contract)."""
+    if comm.Get_size() == 1:
+        return [tensor]
+    local = on_wire(tensor.detach())
+    shapes = comm.allgather((tuple(local.shape), local.dtype))
+    dtypes = {dtype for _, dtype in shapes}
+    if len(dtypes) != 1:
+        raise TypeError(f"metric state sync: ranks hold different dtypes {sorted(map(str, dtypes))} for one state.")
+    counts = [int(torch.Size(shape).numel()) for shape, _ in shapes]
+    flat = empty_on_wire((sum(counts),), local.dtype, tensor.device)
+    send = mpi_buffer(local.reshape(-1))
+    displacements = [sum(counts[:i]) for i in range(len(counts))]
+    comm.Allgatherv(send, [mpi_buffer(flat)[0], counts, displacements, send[2]])
+    flat = off_wire(flat, tensor.dtype, tensor.device)
+    return [flat[d : d + c].view(shape) for d, c, (shape, _) in zip(displacements, counts, shapes)]
+
+
+def broadcast_object(obj: Any, src: int, comm: MPI.Intracomm) -> Any:
+    """Rank ``src``'s ``obj`` (any picklable object, tensors included) on every rank."""
+    if comm.Get_size() == 1:
+        return obj
+    return comm.bcast(obj, root=src)
+
+
+def broadcast_module_state(module: nn.Module, comm: MPI.Intracomm, root: int = 0) -> None:
+    """Overwrite every parameter and buffer of ``module`` with rank ``root``'s values, in place.
+
+    Tensors are packed into one flat buffer per dtype and device, so the whole model takes a handful of
+    broadcasts.
+    """
+    if comm.Get_size() == 1:
+        return
+    tensors = _unique(list(module.parameters()) + list(module.buffers()))
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for (dtype, device), group in groups.items():
+            flat = on_wire(torch.cat([t.detach().reshape(-1) for t in group]))
+            comm.Bcast(mpi_buffer(flat), root=root)
+            flat = off_wire(flat, dtype, device)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    result = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            result.append(t)
+    return result
+
+
+def attach_metric_sync(module: nn.Module, gather, available) -> int:
+    """Make every torchmetrics ``Metric`` inside ``module`` sync over MPI; returns how many were found.
+
+    torchmetrics syncs only when ``distributed_available_fn()`` is true (by default: torch.distributed is
+    initialised) and gathers with ``dist_sync_fn``; both are plain attributes read at compute time.
+    """
+    try:
+        from torchmetrics import Metric
+    except ImportError:
+        return 0
+    found = 0
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            sub.dist_sync_fn = gather
+            sub.distributed_available_fn = available
+            found += 1
+    return found

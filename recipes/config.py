@@ -1,0 +1,400 @@
+"""Typed schemas for the Hydra configs in ``conf/``, registered in Hydra's ConfigStore.
+
+Every YAML option of a group names its schema first in its defaults list (``- /schema/model/mlp@_here_``), so
+Hydra merges the YAML onto a dataclass: a misspelled key or a value of the wrong type fails at composition time,
+before anything is built or trained, with the full key in the message. :func:`explain` adds the keys that *are*
+allowed (and the closest match) to Hydra's message.
+
+Call :func:`register_configs` before composing (``recipes.train`` does it at import; tests call it).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+# --- trainer ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainerConf:
+    """The ``lightning.pytorch.Trainer`` arguments a recipe may set; strategy, logger and callbacks come from their
+    own groups."""
+
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    precision: Any = "32-true"
+    max_epochs: int | None = 10
+    min_epochs: int | None = None
+    max_steps: int = -1
+    max_time: str | None = None
+    limit_train_batches: float | None = None
+    limit_val_batches: float | None = None
+    limit_test_batches: float | None = None
+    val_check_interval: float | None = None
+    check_val_every_n_epoch: int | None = 1
+    num_sanity_val_steps: int | None = 0
+    log_every_n_steps: int | None = 5
+    enable_checkpointing: bool | None = True
+    enable_progress_bar: bool | None = True
+    enable_model_summary: bool | None = True
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str | None = None
+    deterministic: Any = False
+    benchmark: bool | None = None
+    fast_dev_run: Any = False
+    use_distributed_sampler: bool = True
+    sync_batchnorm: bool = False
+    barebones: bool = False
+    default_root_dir: str | None = "${paths.output_dir}"
+
+
+# --- strategy and aggregation -------------------------------------------------------------------------------------
+
+
+@dataclass
+class NamedStrategyConf:
+    """A strategy Lightning knows by name (``auto``, ``ddp``, ``single_device`` ...), built by
+    :func:`recipes.builders.strategy_by_name`."""
+
+    _target_: str = "recipes.builders.strategy_by_name"
+    name: str = "auto"
+
+
+@dataclass
+class MPIADStrategyConf:
+    """mpistrategy's ``mpi_ad`` strategy (``mpistrategy.strategy.MPIADStrategy``); the aggregator comes from the
+    aggregation group. ``model_parallel`` builds :class:`recipes.model_parallel.ModelParallelMPIStrategy`."""
+
+    _target_: str = "recipes.builders.mpi_ad_strategy"
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    abort_on_exception: bool = True
+    #: signals that stop every rank together at the same step (after a checkpoint): SLURM's time-limit warning
+    #: (--signal=USR1@<s>) and scancel/preemption (SIGTERM)
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    #: save hpc_ckpt_<n>.ckpt in the run dir before a coordinated stop (the run resumes from it)
+    checkpoint_on_stop: bool = True
+    #: each rank uses cores-per-node / ranks-per-node torch threads unless OMP_NUM_THREADS is set
+    set_num_threads: bool = True
+    model_parallel: bool = False
+
+
+@dataclass
+class MeanAggregationConf:
+    """Average gradient buckets over all ranks (non-blocking, in place): plain data parallelism."""
+
+    _target_: str = "mpistrategy.aggregation.MeanAggregator"
+
+
+# --- model and optimizer ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MLPConf:
+    _target_: str = "recipes.models.MLPClassifier"
+    in_features: int = 64
+    hidden: int = 128
+    depth: int = 2
+    num_classes: int = 10
+    dropout: float = 0.0
+
+
+@dataclass
+class CNNConf:
+    _target_: str = "recipes.models.CNNClassifier"
+    image_size: int = 8
+    channels: int = 32
+    hidden: int = 128
+    num_classes: int = 10
+    dropout: float = 0.0
+
+
+@dataclass
+class TensorParallelMLPConf:
+    _target_: str = "recipes.tensor_parallel.TensorParallelMLPClassifier"
+    in_features: int = 64
+    hidden: int = 128
+    depth: int = 1
+    num_classes: int = 10
+
+
+@dataclass
+class PipelineMLPConf:
+    _target_: str = "recipes.pipeline.PipelineMLPClassifier"
+    in_features: int = 64
+    hidden: int = 128
+    layers_per_stage: int = 1
+    num_classes: int = 10
+    micro_batches: int = 2
+
+
+@dataclass
+class SGDConf:
+    _target_: str = "torch.optim.SGD"
+    _partial_: bool = True
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+
+@dataclass
+class AdamConf:
+    _target_: str = "torch.optim.Adam"
+    _partial_: bool = True
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+
+@dataclass
+class AdamWConf:
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+
+
+@dataclass
+class CosineSchedulerConf:
+    _target_: str = "torch.optim.lr_scheduler.CosineAnnealingLR"
+    _partial_: bool = True
+    T_max: int = "${trainer.max_epochs}"  # type: ignore[assignment]
+    eta_min: float = 0.0
+
+
+@dataclass
+class StepSchedulerConf:
+    _target_: str = "torch.optim.lr_scheduler.StepLR"
+    _partial_: bool = True
+    step_size: int = 5
+    gamma: float = 0.5
+
+
+# --- data ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DigitsDataConf:
+    _target_: str = "recipes.data.DigitsDataModule"
+    batch_size: int = 64
+    val_fraction: float = 0.2
+    split_seed: int = 0
+    standardize: bool = True
+    num_workers: int = 0
+    same_batches_on_all_ranks: bool = False
+
+
+@dataclass
+class SyntheticDataConf:
+    _target_: str = "recipes.data.SyntheticDataModule"
+    num_samples: int = 8192
+    num_val_samples: int = 1024
+    in_features: int = 512
+    num_classes: int = 16
+    batch_size: int = 128
+    seed: int = 0
+    num_workers: int = 0
+    same_batches_on_all_ranks: bool = False
+
+
+# --- logger and callbacks -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class CSVLoggerConf:
+    _target_: str = "lightning.pytorch.loggers.CSVLogger"
+    save_dir: str = "${paths.output_dir}"
+    name: str = "csv"
+    version: str = ""
+    flush_logs_every_n_steps: int = 50
+
+
+@dataclass
+class ModelCheckpointConf:
+    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
+    dirpath: str = "${paths.output_dir}/checkpoints"
+    filename: str = "epoch{epoch:03d}"
+    monitor: str | None = "val/acc"
+    mode: str = "max"
+    save_last: bool | None = True
+    save_top_k: int = 1
+    every_n_epochs: int | None = 1
+    auto_insert_metric_name: bool = False
+    save_on_train_epoch_end: bool | None = None
+
+
+@dataclass
+class ProgressBarConf:
+    _target_: str = "lightning.pytorch.callbacks.TQDMProgressBar"
+    refresh_rate: int = 5
+    leave: bool = False
+
+
+@dataclass
+class FitTimerConf:
+    _target_: str = "recipes.callbacks.FitTimer"
+
+
+@dataclass
+class PreemptionConf:
+    """SIGUSR1 (SLURM's ``--signal=USR1@<seconds>``) -> all ranks agree -> checkpoint -> ``scontrol requeue``."""
+
+    _target_: str = "recipes.callbacks.Preemption"
+    signal: str = "SIGUSR1"
+    requeue: bool = True
+    check_every_n_steps: int = 1
+
+
+@dataclass
+class EarlyStoppingConf:
+    _target_: str = "lightning.pytorch.callbacks.EarlyStopping"
+    monitor: str = "val/acc"
+    mode: str = "max"
+    patience: int = 5
+    min_delta: float = 0.0
+    stopping_threshold: float | None = None
+
+
+@dataclass
+class LearningRateMonitorConf:
+    _target_: str = "lightning.pytorch.callbacks.LearningRateMonitor"
+    logging_interval: str | None = "epoch"
+
+
+# --- paths and the primary config -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PathsConf:
+    root_dir: str = "${oc.env:MPISTRATEGY_ROOT,.}"
+    log_dir: str = "${oc.env:MPISTRATEGY_LOG_DIR,outputs}"
+    output_dir: str = "${hydra:runtime.output_dir}"
+
+
+@dataclass
+class SummaryConf:
+    enabled: bool = True
+    plot: bool = True
+    table: bool = True
+    metric: str = "val/acc"
+    mode: str = "max"
+
+
+@dataclass
+class TrainConfig:
+    """The primary config (``conf/config.yaml``). Groups left open (``Any``) get their type from the schema each
+    option names."""
+
+    trainer: TrainerConf = MISSING
+    strategy: Any = MISSING
+    aggregation: Any = None
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = None
+    data: Any = MISSING
+    logger: dict[str, Any] = field(default_factory=dict)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    paths: PathsConf = field(default_factory=PathsConf)
+    summary: SummaryConf = field(default_factory=SummaryConf)
+    task_name: str = "train"
+    seed: int = 1234
+    #: a checkpoint to start from; ``null`` = resume automatically when this run dir holds one (``resume: true``)
+    ckpt_path: str | None = None
+    resume: bool = True
+    #: also run ``trainer.test`` on the validation split after fitting (off: digits has no separate test split)
+    test: bool = False
+    #: the objective a sweeper optimises: the final value of this logged metric
+    objective: str = "val/acc"
+    tags: list[str] = field(default_factory=list)
+    #: torch intra-op threads per rank; null = leave it to the strategy (mpi_ad: the node's cores / its ranks)
+    torch_threads: int | None = None
+
+
+_SCHEMAS: dict[str, dict[str, type]] = {
+    "trainer": {"default": TrainerConf},
+    "strategy": {"named": NamedStrategyConf, "mpi_ad": MPIADStrategyConf},
+    "aggregation": {"mean": MeanAggregationConf},
+    "model": {"mlp": MLPConf, "cnn": CNNConf, "tp_mlp": TensorParallelMLPConf, "pipeline_mlp": PipelineMLPConf},
+    "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
+    "scheduler": {"cosine": CosineSchedulerConf, "step": StepSchedulerConf},
+    "data": {"digits": DigitsDataConf, "synthetic": SyntheticDataConf},
+    "logger": {"csv": CSVLoggerConf},
+    "callbacks": {
+        "model_checkpoint": ModelCheckpointConf,
+        "progress_bar": ProgressBarConf,
+        "fit_timer": FitTimerConf,
+        "preemption": PreemptionConf,
+        "early_stopping": EarlyStoppingConf,
+        "lr_monitor": LearningRateMonitorConf,
+    },
+    "paths": {"default": PathsConf},
+}
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Store every schema under ``schema/<group>/<name>`` and the primary schema as ``schema/config`` (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    cs = ConfigStore.instance()
+    cs.store(group="schema", name="config", node=TrainConfig)
+    for group, schemas in _SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+    _registered = True
+
+
+# --- friendlier errors ------------------------------------------------------------------------------------------------
+
+
+def allowed_keys(schema_path: str) -> list[str]:
+    """The keys a node of the primary config accepts (``"trainer"``, ``"model"`` ...), from its schema."""
+    node: Any = OmegaConf.structured(TrainConfig)
+    for part in [p for p in schema_path.split(".") if p]:
+        if not isinstance(node, DictConfig) or part not in node:
+            return []
+        node = node._get_node(part)
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+
+
+def explain(exc: BaseException, cfg: DictConfig | None = None) -> str:
+    """Hydra's / OmegaConf's message for ``exc`` plus the keys allowed where a key was not found.
+
+    ``cfg`` (the composed config, when there is one) gives the allowed keys of nodes whose schema depends on the
+    option chosen (``model``, ``data`` ...); otherwise they come from :class:`TrainConfig`.
+    """
+    lines = [str(exc).strip()]
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    full_key = getattr(cause, "full_key", None) or getattr(exc, "full_key", None)
+    key = getattr(cause, "key", None)
+    parent = getattr(cause, "parent_node", None)
+    if cause is not exc and str(cause).strip() and str(cause).strip() not in lines[0]:
+        lines.append(str(cause).strip())
+    if full_key and "not in struct" in str(cause) or (full_key and "not in" in str(cause) and "Key" in str(cause)):
+        parent_path, _, leaf = str(full_key).rpartition(".")
+        keys: list[str] = []
+        if isinstance(parent, DictConfig):
+            keys = [str(k) for k in parent.keys()]
+        elif cfg is not None:
+            node = OmegaConf.select(cfg, parent_path) if parent_path else cfg
+            keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        if not keys:
+            keys = allowed_keys(parent_path)
+        keys = [k for k in keys if not k.startswith("_")]
+        if keys:
+            where = f"'{parent_path}'" if parent_path else "the top level"
+            leaf = str(key) if key is not None else leaf
+            close = difflib.get_close_matches(leaf, keys, n=1)
+            hint = f" Did you mean '{parent_path + '.' if parent_path else ''}{close[0]}'?" if close else ""
+            lines.append(f"Unknown key '{full_key}'.{hint} Keys allowed in {where}: {', '.join(sorted(keys))}")
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""Hydra under several MPI ranks: one run directory, one writer.
+
+Every rank runs Hydra itself. Left alone, ranks that start in different seconds get different run dirs and every
+rank writes ``.hydra/``, the log file and ``multirun.yaml``. What this module adds (registered at import):
+
+- ``${mpi_run_id:}``: the run id rank 0 decided (its start time, or ``slurm-<job id>[_<array task>]`` inside a SLURM
+  job), broadcast to every rank by :func:`agree_on_run_id` before Hydra composes; used in ``hydra.run.dir`` and
+  ``hydra.sweep.dir``. Cached like Hydra's ``now`` so sweep jobs (also submitit's) see the master's value.
+- ``${mpi_rank_zero:value}``: ``value`` on rank 0, ``null`` elsewhere (``hydra.output_subdir``: only rank 0 writes
+  ``.hydra/``).
+- ``${mpi_rank:}`` and ``${mpi_size:}``.
+- :class:`RankStreamHandler` / :class:`RankFileHandler`: logging handlers that keep other ranks quiet and file-less
+  (or write ``<name>.rank<r>.log`` when asked).
+- :func:`quiet_other_ranks`: Hydra's basic sweeper writes ``multirun.yaml`` on whichever rank runs it; on ranks
+  other than 0 that write is skipped.
+
+The rank is MPI's (``MPI.COMM_WORLD``), the same one mpistrategy uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import datetime
+from typing import Any
+
+from omegaconf import OmegaConf
+
+_run_id: str | None = None
+
+
+def comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def rank() -> int:
+    return comm().Get_rank()
+
+
+def size() -> int:
+    return comm().Get_size()
+
+
+def local_run_id(now: datetime | None = None) -> str:
+    """This process's idea of a run id: the SLURM job (stable across a requeue) or the current time."""
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if job:
+        task = os.environ.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm-{job}" + (f"_{task}" if task and os.environ.get("SLURM_ARRAY_JOB_ID") else "")
+    return (now or datetime.now()).strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def agree_on_run_id() -> str:
+    """Collective over ``MPI.COMM_WORLD``: rank 0 decides the run id, every rank receives it. Call on all ranks,
+    before Hydra composes (``recipes.train.main`` does)."""
+    global _run_id
+    decided = local_run_id() if rank() == 0 else None
+    _run_id = comm().bcast(decided, root=0) if size() > 1 else decided
+    return _run_id
+
+
+def run_id() -> str:
+    # Outside main() (a submitit job unpickling the task) the value normally comes from the master's resolver
+    # cache; this fallback is only used when there is none.
+    return _run_id if _run_id is not None else local_run_id()
+
+
+def _rank_zero(value: Any = None) -> Any:
+    return value if rank() == 0 else None
+
+
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("mpi_run_id", run_id, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("mpi_rank_zero", _rank_zero, replace=True)
+    OmegaConf.register_new_resolver("mpi_rank", rank, replace=True)
+    OmegaConf.register_new_resolver("mpi_size", size, replace=True)
+
+
+# --- logging handlers ------------------------------------------------------------------------------------------------
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in {"1", "true", "yes", "on"}
+    return bool(value)
+
+
+class RankStreamHandler(logging.StreamHandler):
+    """A console handler: rank 0 at the configured level, the other ranks at ``other_ranks_level`` (WARNING)."""
+
+    def __init__(self, stream=None, other_ranks_level: str | int = "WARNING") -> None:
+        super().__init__(stream)
+        self._other_level = logging.getLevelName(other_ranks_level) if isinstance(other_ranks_level, str) else (
+            other_ranks_level
+        )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if rank() != 0 and record.levelno < self._other_level:
+            return
+        super().emit(record)
+
+
+class RankFileHandler(logging.Handler):
+    """A file handler on rank 0; on other ranks nothing, or ``<stem>.rank<r><suffix>`` if ``per_rank``."""
+
+    def __init__(self, filename: str, mode: str = "a", encoding: str | None = None, per_rank: Any = False) -> None:
+        super().__init__()
+        r = rank()
+        self.path: str | None = filename
+        if r != 0:
+            if _as_bool(per_rank):
+                stem, dot, suffix = filename.rpartition(".")
+                self.path = f"{stem}.rank{r}.{suffix}" if dot else f"{filename}.rank{r}"
+            else:
+                self.path = None
+        self._inner: logging.FileHandler | None = None
+        if self.path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._inner = logging.FileHandler(self.path, mode=mode, encoding=encoding)
+
+    def setFormatter(self, fmt) -> None:  # noqa: N802
+        super().setFormatter(fmt)
+        if self._inner is not None:
+            self._inner.setFormatter(fmt)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._inner is not None:
+            self._inner.emit(record)
+
+    def flush(self) -> None:
+        if self._inner is not None:
+            self._inner.flush()
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+        super().close()
+
+
+# --- multirun.yaml ------------------------------------------------------------------------------------------------------
+
+
+def quiet_other_ranks() -> None:
+    """On ranks other than 0, make Hydra's basic sweeper skip writing ``<sweep dir>/multirun.yaml``.
+
+    The sweeper calls ``OmegaConf.save`` through its module's ``OmegaConf`` name; only that name is replaced, by a
+    subclass whose ``save`` does nothing. Every rank still runs the same jobs in the same order.
+    """
+    if rank() == 0:
+        return
+    from hydra._internal.core_plugins import basic_sweeper
+
+    class _NoSave(OmegaConf):
+        @staticmethod
+        def save(*args: Any, **kwargs: Any) -> None:
+            return None
+
+    basic_sweeper.OmegaConf = _NoSave  # type: ignore[misc]
+
+
+register_resolvers()

@@ -1,0 +1,46 @@
+"""``strategy=mpi_ad_model_parallel``: mpi_ad for models whose parameters are split across the ranks.
+
+A tensor-parallel layer holds a different slice of a weight on each rank, and a pipeline stage holds different
+layers: the two things mpi_ad does for data parallelism would be wrong for them - broadcasting rank 0's parameters
+at setup (it would overwrite every other rank's slice) and averaging gradients across ranks (each rank's gradient
+belongs to its own slice). :class:`ModelParallelMPIStrategy` is mpi_ad without those two steps; everything else is
+mpi_ad's: ranks from MPI, rank-0 checkpoints, ``reduce``/``broadcast``/``barrier`` for logging, torchmetrics sync,
+abort on exception, coordinated stop on SIGTERM/SIGUSR1 with a checkpoint.
+
+The model-parallel recipes (:mod:`recipes.tensor_parallel`, :mod:`recipes.pipeline`) initialise identically on
+every rank from a seeded dense twin and write checkpoints that hold the gathered dense weights, so they need
+neither step. Use it with ``trainer.use_distributed_sampler=false`` and ``data.same_batches_on_all_ranks=true``
+(the ``tp_mlp`` and ``pipeline_mlp`` experiments set both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+from mpistrategy.strategy import mpi_ad as _mpi_ad
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
+
+
+@contextlib.contextmanager
+def _without_replication() -> Iterator[None]:
+    """While mpi_ad's ``setup`` runs: no initial parameter broadcast, no gradient reducer."""
+    sync, reducer = _mpi_ad.sync, _mpi_ad.GradientReducer
+    _mpi_ad.sync = SimpleNamespace(**{**vars(sync), "broadcast_module_state": lambda *args, **kwargs: None})
+    _mpi_ad.GradientReducer = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _mpi_ad.sync, _mpi_ad.GradientReducer = sync, reducer
+
+
+class ModelParallelMPIStrategy(MPIADStrategy):
+    """mpi_ad without the initial broadcast and without gradient averaging (see the module docstring)."""
+
+    strategy_name = "mpi_ad_model_parallel"
+
+    def setup(self, trainer: Any) -> None:
+        with _without_replication():
+            super().setup(trainer)

@@ -1,0 +1,257 @@
+"""End-of-run summary (table, ``summary.json``, ``curves.png``) and the sweep comparison (``comparison.png``).
+
+Rank 0 only: the callers check the rank. Reads what Lightning's CSVLogger wrote (``<run dir>/csv/metrics.csv``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback as HydraCallback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"
+CURVES_FILE = "curves.png"
+COMPARISON_PNG = "comparison.png"
+COMPARISON_CSV = "comparison.csv"
+
+
+# --- reading metrics -------------------------------------------------------------------------------------------------
+
+
+def read_metrics(csv_path: str | Path) -> dict[str, list[tuple[float, float, float]]]:
+    """``{metric: [(step, epoch, value), ...]}`` from a CSVLogger ``metrics.csv`` (empty if there is none)."""
+    path = Path(csv_path)
+    series: dict[str, list[tuple[float, float, float]]] = {}
+    if not path.is_file():
+        return series
+    with path.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            step = _number(row.get("step"))
+            epoch = _number(row.get("epoch"))
+            for key, text in row.items():
+                if key in ("step", "epoch") or key is None:
+                    continue
+                value = _number(text)
+                if value is not None:
+                    series.setdefault(key, []).append((step or 0.0, epoch or 0.0, value))
+    return series
+
+
+def _number(text: Any) -> float | None:
+    if text is None or text == "":
+        return None
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+def _epoch_key(series: dict[str, list], name: str) -> str | None:
+    """The per-epoch series of ``name``: ``name_epoch`` if the module logged both step and epoch values."""
+    for key in (f"{name}_epoch", name):
+        if key in series:
+            return key
+    return None
+
+
+# --- one run -------------------------------------------------------------------------------------------------------
+
+
+def summarize_run(
+    run_dir: str | Path,
+    *,
+    metrics_csv: str | Path | None = None,
+    extra: dict[str, Any] | None = None,
+    objective: str = "val/acc",
+    mode: str = "max",
+    plot: bool = True,
+    table: bool = True,
+) -> dict[str, Any]:
+    """Write ``summary.json`` (and ``curves.png``) in ``run_dir``; print a table. Returns the summary."""
+    run_dir = Path(run_dir)
+    series = read_metrics(metrics_csv or run_dir / "csv" / "metrics.csv")
+    summary: dict[str, Any] = dict(extra or {})
+    final: dict[str, float] = {}
+    for name in ("train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc"):
+        key = _epoch_key(series, name)
+        if key and series[key]:
+            final[name] = series[key][-1][2]
+    summary["final"] = final
+    key = _epoch_key(series, objective)
+    if key and series[key]:
+        values = [v for _, _, v in series[key]]
+        summary["best"] = {objective: max(values) if mode == "max" else min(values)}
+    summary["objective"] = {"name": objective, "value": final.get(objective)}
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    if plot and series:
+        try:
+            plot_curves(series, run_dir / CURVES_FILE, title=str(summary.get("experiment", "")))
+        except Exception as exc:  # a plot must never fail a finished run
+            log.warning("could not plot the curves: %s", exc)
+    if table:
+        print_table(summary)
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    rows: list[tuple[str, str]] = []
+    for key in ("experiment", "world_size", "strategy", "epochs", "global_step", "fit_seconds", "samples_per_second"):
+        if key in summary:
+            rows.append((key, str(summary[key])))
+    for name, value in summary.get("final", {}).items():
+        rows.append((f"final {name}", f"{value:.4f}"))
+    for name, value in summary.get("best", {}).items():
+        rows.append((f"best {name}", f"{value:.4f}"))
+    if "run_dir" in summary:
+        rows.append(("run dir", str(summary["run_dir"])))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="Run summary", show_header=False)
+        table.add_column("what", style="bold")
+        table.add_column("value")
+        for row in rows:
+            table.add_row(*row)
+        Console(width=100).print(table)
+    except ImportError:
+        width = max(len(k) for k, _ in rows) if rows else 0
+        print("Run summary")
+        for key, value in rows:
+            print(f"  {key.ljust(width)}  {value}")
+
+
+def plot_curves(series: dict[str, list[tuple[float, float, float]]], path: str | Path, title: str = "") -> None:
+    """Loss (per step and per epoch) and accuracy (per epoch) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, style in (("train/loss_step", "-"), ("train/loss_epoch", "o-"), ("val/loss", "s-")):
+        if key in series:
+            steps, _, values = zip(*series[key], strict=True)
+            ax_loss.plot(steps, values, style, label=key, alpha=0.6 if key.endswith("_step") else 1.0)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy")
+    ax_loss.set_yscale("log")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    for key in ("train/acc", "val/acc"):
+        if key in series:
+            steps, _, values = zip(*series[key], strict=True)
+            ax_acc.plot(steps, values, "o-", label=key)
+    ax_acc.set_xlabel("step")
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.legend()
+    ax_acc.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- a sweep -------------------------------------------------------------------------------------------------------
+
+
+def compare_sweep(sweep_dir: str | Path, objective: str | None = None) -> list[dict[str, Any]]:
+    """Collect every job's ``summary.json`` under ``sweep_dir``; write ``comparison.csv`` and ``comparison.png``."""
+    sweep_dir = Path(sweep_dir)
+    points: list[dict[str, Any]] = []
+    for summary_path in sorted(sweep_dir.glob(f"*/{SUMMARY_FILE}"), key=lambda p: _job_order(p.parent.name)):
+        summary = json.loads(summary_path.read_text())
+        name = objective or summary.get("objective", {}).get("name", "val/acc")
+        label = " ".join(summary.get("overrides", [])) or summary_path.parent.name
+        points.append(
+            {
+                "job": summary_path.parent.name,
+                "overrides": label,
+                "objective": name,
+                "value": summary.get("final", {}).get(name),
+                "best": summary.get("best", {}).get(name),
+                "fit_seconds": summary.get("fit_seconds"),
+                "curve": summary_path.parent / "csv" / "metrics.csv",
+            }
+        )
+    if not points:
+        log.warning("no %s under %s: nothing to compare", SUMMARY_FILE, sweep_dir)
+        return points
+    # Label each point by what differs between points (the swept overrides), not what they share.
+    split = [p["overrides"].split() for p in points]
+    common = set.intersection(*(set(s) for s in split)) if len(points) > 1 else set()
+    for p, parts in zip(points, split, strict=True):
+        p["label"] = " ".join(x for x in parts if x not in common) or p["overrides"]
+    with (sweep_dir / COMPARISON_CSV).open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["job", "overrides", "objective", "final", "best", "fit_seconds"])
+        for p in points:
+            writer.writerow([p["job"], p["overrides"], p["objective"], p["value"], p["best"], p["fit_seconds"]])
+    try:
+        plot_comparison(points, sweep_dir / COMPARISON_PNG)
+    except Exception as exc:
+        log.warning("could not plot the sweep comparison: %s", exc)
+    return points
+
+
+def _job_order(name: str) -> tuple[int, str]:
+    return (int(name), name) if name.isdigit() else (1 << 30, name)
+
+
+def plot_comparison(points: list[dict[str, Any]], path: str | Path) -> None:
+    """Left: the final objective of each point (bars). Right: each point's objective per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    objective = points[0]["objective"]
+    fig, (ax_bar, ax_curve) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"#{p['job']}: {p.get('label', p['overrides'])}" for p in points]
+    values = [p["value"] if p["value"] is not None else 0.0 for p in points]
+    bars = ax_bar.barh(range(len(points)), values, color="tab:blue")
+    ax_bar.set_yticks(range(len(points)), labels, fontsize=8)
+    ax_bar.invert_yaxis()
+    ax_bar.set_xlabel(f"final {objective}")
+    for bar, value in zip(bars, values, strict=True):
+        ax_bar.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.4f}", va="center", fontsize=8)
+    for p, label in zip(points, labels, strict=True):
+        series = read_metrics(p["curve"])
+        key = _epoch_key(series, objective)
+        if key:
+            epochs = [e for _, e, _ in series[key]]
+            ax_curve.plot(epochs, [v for _, _, v in series[key]], "o-", label=label, markersize=3)
+    ax_curve.set_xlabel("epoch")
+    ax_curve.set_ylabel(objective)
+    ax_curve.grid(alpha=0.3)
+    if ax_curve.lines:
+        ax_curve.legend(fontsize=7)
+    fig.suptitle(f"sweep comparison: {objective}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class SweepSummaryCallback(HydraCallback):
+    """Hydra callback: after a multirun, rank 0 (or the submitting process) writes the sweep comparison."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from recipes.hydra_mpi import rank
+
+        if rank() != 0:
+            return
+        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+        objective = OmegaConf.select(config, "objective", default=None)
+        points = compare_sweep(sweep_dir, objective)
+        if points:
+            log.info("sweep comparison of %d points: %s", len(points), Path(sweep_dir) / COMPARISON_PNG)

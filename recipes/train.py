@@ -1,0 +1,267 @@
+"""``mpistrategy-train``: Hydra-configured Lightning training on MPI ranks.
+
+    mpiexec -n 2 mpistrategy-train                                # the main job (digits MLP, strategy mpi_ad)
+    mpiexec -n 4 mpistrategy-train experiment=digits_cnn
+    mpiexec -n 2 mpistrategy-train -m model.hidden=64,128 optimizer.lr=0.1,0.05
+    mpistrategy-train -m hydra/launcher=slurm model.hidden=64,128
+    python -m recipes.train --cfg job                             # show the composed config
+
+MPI safety (see recipes/hydra_mpi.py): before Hydra composes, rank 0 decides the run id and broadcasts it, so all
+ranks use one run dir; only rank 0 writes ``.hydra/``, the log, checkpoints, metrics, the summary and plots; sweeps
+run the same points in the same order on every rank. A failure while building is agreed on by all ranks (every rank
+reports and exits); a failure on some ranks only, or during training, aborts the MPI job instead of leaving the
+other ranks blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from recipes import hydra_mpi
+from recipes.config import explain, register_configs
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+LAST_CHECKPOINT = "last.ckpt"
+
+log = logging.getLogger("recipes.train")
+
+register_configs()
+
+
+class _BuildFailed(RuntimeError):
+    """Building failed on every rank (the same config error everywhere): report and exit, no abort needed."""
+
+
+def _abort(exc: BaseException) -> None:
+    """Print this rank's traceback and abort the whole MPI job (other ranks may be inside a collective)."""
+    r = hydra_mpi.rank()
+    sys.stderr.write(f"[rank {r}] training failed, aborting the MPI job:\n")
+    sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    sys.stderr.flush()
+    hydra_mpi.comm().Abort(1)
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    """Collective: True if every rank is ok. Every rank reaches this point whether it failed or not."""
+    return ok if hydra_mpi.size() == 1 else bool(hydra_mpi.comm().allreduce(int(ok), op=_mpi_min()))
+
+
+def _mpi_min():
+    from mpi4py import MPI
+
+    return MPI.MIN
+
+
+def resume_checkpoint(cfg: DictConfig, output_dir: Path) -> str | None:
+    """``cfg.ckpt_path``; else, with ``resume``, the newest checkpoint of this run dir: a stop checkpoint
+    (``hpc_ckpt_<n>.ckpt``, written on SIGUSR1/SIGTERM) or ``checkpoints/last.ckpt``. Decided on rank 0 and
+    broadcast, so every rank resumes from the same file."""
+    from recipes.callbacks import list_hpc_checkpoints
+
+    choice: str | None = None
+    if hydra_mpi.rank() == 0:
+        if cfg.ckpt_path:
+            choice = str(cfg.ckpt_path)
+        elif cfg.resume:
+            found = list_hpc_checkpoints(output_dir)[-1:] + [output_dir / "checkpoints" / LAST_CHECKPOINT]
+            found = [p for p in found if p.is_file()]
+            if found:
+                choice = str(max(found, key=lambda p: p.stat().st_mtime))
+    return hydra_mpi.comm().bcast(choice, root=0) if hydra_mpi.size() > 1 else choice
+
+
+def _use_hydra_logging() -> None:
+    """``import lightning`` adds its own console handler; with Hydra's logging configured it prints every message
+    twice (and on every rank). Let Lightning's loggers propagate to the root logger instead."""
+    if logging.getLogger().handlers:
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                if type(handler) is logging.StreamHandler:
+                    logger.removeHandler(handler)
+            logger.propagate = True
+
+
+def _quiet_known_warnings() -> None:
+    import warnings
+
+    # Lightning 2.6 with torch 2.13 (harmless), and Lightning's hint to use srun, which does not apply to MPI
+    # launches (mpiexec inside an allocation is one of the supported ways).
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
+
+
+def _set_torch_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+        os.environ["OMP_NUM_THREADS"] = str(int(threads))
+
+
+def _hydra_info() -> dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    hc = HydraConfig.get()
+    return {
+        "experiment": hc.runtime.choices.get("experiment") or "default",
+        "overrides": list(hc.overrides.task),
+        "job_num": hc.job.get("num"),
+    }
+
+
+def train(cfg: DictConfig) -> float | None:
+    """The Hydra task: build everything from ``cfg``, fit, summarise on rank 0; returns the objective."""
+    import lightning as L
+    from lightning.pytorch.utilities import rank_zero_only
+
+    import mpistrategy  # noqa: F401  (registers strategy="mpi_ad"; wraps MPI.COMM_WORLD)
+    from recipes.builders import build_run
+    from recipes.summary import summarize_run
+
+    rank_zero_only.rank = hydra_mpi.rank()
+    _quiet_known_warnings()
+    _use_hydra_logging()
+    _set_torch_threads(cfg.torch_threads)
+    output_dir = Path(cfg.paths.output_dir)
+
+    # Build on every rank; agree on the outcome before anything collective happens.
+    try:
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+        run = build_run(cfg)
+        error: BaseException | None = None
+    except Exception as exc:  # reported below, after the ranks agree
+        run, error = None, exc
+    if not _all_ranks_agree(error is None):
+        if error is None:
+            raise _BuildFailed("another rank failed to build the run (see its message)")
+        raise error
+    assert run is not None
+
+    ckpt_path = resume_checkpoint(cfg, output_dir)
+    if ckpt_path:
+        log.info("resuming from %s", ckpt_path)
+    try:
+        run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=ckpt_path)
+        if cfg.test:
+            run.trainer.test(run.model, datamodule=run.datamodule)
+    except BaseException as exc:
+        if _coordinated_stop(exc):
+            return _stopped(run, exc)
+        if hydra_mpi.size() > 1 and isinstance(exc, Exception):
+            _abort(exc)
+        raise
+
+    trainer = run.trainer
+    preemption = run.callbacks.get("preemption")
+    if preemption is not None and getattr(preemption, "preempted", False):
+        log.warning(
+            "stopped for preemption at step %d (%s); the requeued job resumes from %s",
+            trainer.global_step,
+            "requeued" if getattr(preemption, "requeued", False) else "not requeued",
+            preemption.checkpoint,
+        )
+        return None
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    if trainer.is_global_zero and cfg.summary.enabled:
+        timer = run.callbacks.get("fit_timer")
+        extra: dict[str, Any] = {
+            **_hydra_info(),
+            "task_name": cfg.task_name,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "epochs": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "resumed_from": ckpt_path,
+            "run_dir": str(output_dir),
+            "metrics": metrics,
+            **(timer.stats() if timer is not None else {}),
+        }
+        csv_logger = run.loggers.get("csv")
+        metrics_csv = Path(csv_logger.log_dir) / "metrics.csv" if csv_logger is not None else None
+        summarize_run(
+            output_dir,
+            metrics_csv=metrics_csv,
+            extra=extra,
+            objective=cfg.summary.metric,
+            mode=cfg.summary.mode,
+            plot=cfg.summary.plot,
+            table=cfg.summary.table,
+        )
+    return metrics.get(cfg.objective)
+
+
+def _coordinated_stop(exc: BaseException) -> bool:
+    """mpi_ad stopped every rank together (SIGTERM/SIGUSR1), after its checkpoint."""
+    try:
+        from mpistrategy.strategy.failures import is_coordinated_stop
+    except ImportError:
+        return False
+    return is_coordinated_stop(exc)
+
+
+def _stopped(run: Any, exc: BaseException) -> None:
+    preemption = run.callbacks.get("preemption")
+    requeued = bool(preemption is not None and getattr(preemption, "requeued", False))
+    log.warning(
+        "all ranks stopped at step %d on a stop signal%s; running the same command in the same run dir resumes "
+        "from the checkpoint",
+        run.trainer.global_step,
+        " (SLURM job requeued)" if requeued else "",
+    )
+    return None
+
+
+_hydra_main = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(train)
+
+
+def main() -> None:
+    """Console entry point (``mpistrategy-train``). Collective over ``MPI.COMM_WORLD``: run it on every rank."""
+    hydra_mpi.agree_on_run_id()
+    hydra_mpi.quiet_other_ranks()
+    user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # Hydra then raises instead of printing and exiting, so the message can name the allowed keys.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except _BuildFailed as exc:
+        sys.stderr.write(f"[rank {hydra_mpi.rank()}] {exc}\n")
+        sys.exit(1)
+    except BaseException as exc:
+        if user_full_error:
+            raise
+        if hydra_mpi.rank() == 0 or hydra_mpi.size() == 1:
+            sys.stderr.write(f"Error: {explain(exc)}\n")
+            if not _is_config_error(exc):
+                sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            sys.stderr.write("Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
+        sys.exit(1)
+
+
+def _is_config_error(exc: BaseException) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(exc, HydraException | OmegaConfBaseException) or isinstance(
+        exc.__cause__, HydraException | OmegaConfBaseException
+    )
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["main", "train", "resume_checkpoint"]

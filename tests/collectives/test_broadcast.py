@@ -1,0 +1,131 @@
+"""broadcast on 1-4 ranks (run under the MPI harness)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpistrategy as ms
+from mpistrategy import Placeholder
+from tests.adjoint import assert_adjoint, gather_reference, random_like_rank
+
+pytestmark = pytest.mark.mpi
+
+COMM = MPI.COMM_WORLD
+DTYPES = [torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
+
+
+def rank() -> int:
+    return COMM.Get_rank()
+
+
+def size() -> int:
+    return COMM.Get_size()
+
+
+def strided(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A random per-rank tensor of ``shape`` whose memory is laid out in reverse order (not contiguous)."""
+    base = random_like_rank(tuple(reversed(shape)), seed)
+    if dtype == torch.bool:
+        base = base > 0
+    elif not dtype.is_floating_point and not dtype.is_complex:
+        base = (base * 1000).round()
+    return base.to(dtype).permute(*reversed(range(len(shape))))
+
+
+def roots() -> list[int]:
+    return sorted({0, size() - 1})
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_broadcast_to_ranks_passing_none(requires_grad: bool) -> None:
+    for root in roots():
+        x = strided((3, 2), seed=1).requires_grad_(requires_grad)
+        out = ms.broadcast(x if rank() == root else None, root=root)
+        expected = gather_reference(x)[root]
+        assert torch.equal(out.detach(), expected) and out.dtype == torch.float64
+        assert out.requires_grad == requires_grad  # shape, dtype and requires_grad travelled from the root
+
+
+def test_broadcast_adjoint_with_none_on_non_roots() -> None:
+    for root in roots():
+
+        def forward(t: torch.Tensor, root: int = root) -> torch.Tensor:
+            return ms.broadcast(t if rank() == root else None, root=root)
+
+        assert_adjoint(forward, strided((3, 2), seed=2), seed=2)
+
+
+def test_broadcast_adjoint_with_tensors_on_non_roots() -> None:
+    """Non-roots pass a tensor: it is linked into the graph and gets a zero gradient."""
+    root = size() - 1
+    assert_adjoint(lambda t: ms.broadcast(t, root=root), strided((2, 4), seed=3), seed=3)
+    x = strided((2, 4), seed=4).requires_grad_(True)
+    ms.broadcast(x, root=root).sum().backward()
+    if rank() != root:
+        assert torch.equal(x.grad, torch.zeros(2, 4, dtype=torch.float64))
+
+
+def test_broadcast_backward_with_rank_weighted_loss() -> None:
+    """Rank r's loss is (1 + r) * sum(y): the root's input gets sum_r (1 + r) = P (P + 1) / 2."""
+    root = size() - 1
+    x = strided((2, 2), seed=5).requires_grad_(True)
+    out = ms.broadcast(x if rank() == root else None, root=root)
+    (out * (1 + rank())).sum().backward()
+    if rank() == root:
+        assert torch.equal(x.grad, torch.full((2, 2), size() * (size() + 1) / 2, dtype=torch.float64))
+    else:
+        assert x.grad is None
+
+
+def test_gradcheck_reduce_then_broadcast() -> None:
+    """gradcheck runs on every rank at once (each perturbs its own element j, backward gets the same unit cotangent
+    everywhere), which is valid when the Jacobian blocks satisfy ``sum_s J_rs = sum_s J_sr``. broadcast alone does
+    not (only the root's input matters); ``broadcast(reduce(x))`` (every block I) does. gradcheck differentiates with
+    ``torch.autograd.grad(..., inputs=t)``, which skips nodes not leading to ``t``: non-roots pass ``t`` to broadcast
+    (linked, zero gradient) so that its backward runs there too, and add their placeholder."""
+    root = size() - 1
+    x = strided((2, 2), seed=6).requires_grad_(True)
+
+    def function(t: torch.Tensor) -> torch.Tensor:
+        reduced = ms.reduce(t, root=root)
+        if isinstance(reduced, Placeholder):
+            return ms.broadcast(t, root=root) + reduced
+        return ms.broadcast(reduced, root=root)
+
+    assert torch.autograd.gradcheck(function, (x,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtypes_move_bit_exactly(dtype: torch.dtype) -> None:
+    root = size() - 1
+    x = strided((3, 2), seed=7, dtype=dtype)
+    out = ms.broadcast(x if rank() == root else None, root=root)
+    expected = gather_reference(x)[root]
+    assert out.dtype == dtype and out.shape == (3, 2)
+    if dtype in (torch.float16, torch.bfloat16):
+        out, expected = out.view(torch.int16), expected.contiguous().view(torch.int16)
+    assert torch.equal(out, expected)
+
+
+def test_receivers_choose_the_device_and_get_a_new_tensor() -> None:
+    x = torch.arange(3.0)
+    out = ms.broadcast(x if rank() == 0 else None, root=0, device="cpu")
+    assert torch.equal(out, torch.arange(3.0)) and out.device.type == "cpu"
+    out.add_(1)
+    assert torch.equal(x, torch.arange(3.0))  # the root's tensor is not aliased
+
+
+def test_root_errors_raise_on_every_rank() -> None:
+    root = size() - 1
+    with pytest.raises(ValueError, match=f"rank {root} passed no tensor"):
+        ms.broadcast(None, root=root)
+    with pytest.raises(ValueError, match="root"):
+        ms.broadcast(torch.ones(2), root=size())
+    with pytest.raises(ValueError, match="root"):
+        ms.broadcast(torch.ones(2), root=-1)
+    with pytest.raises(TypeError, match="cannot be (communicated|sent)"):
+        ms.broadcast(torch.ones(2, dtype=torch.uint16) if rank() == root else None, root=root)
+    out = ms.broadcast(torch.ones(2) if rank() == root else None, root=root)
+    assert torch.equal(out, torch.ones(2))  # every rank still in step

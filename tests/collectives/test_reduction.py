@@ -1,0 +1,255 @@
+"""allreduce, iallreduce, reduce, reduce_scatter and reduce_scatter_v on 1-4 ranks (run under the MPI harness)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpistrategy as ms
+from mpistrategy import CommunicationError, Placeholder
+from mpistrategy.comm.checks import agree
+from tests.adjoint import assert_adjoint, gather_reference, random_like_rank
+
+pytestmark = pytest.mark.mpi
+
+COMM = MPI.COMM_WORLD
+
+
+def rank() -> int:
+    return COMM.Get_rank()
+
+
+def size() -> int:
+    return COMM.Get_size()
+
+
+def strided(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A random per-rank float64 tensor of ``shape`` whose memory is laid out in reverse order (not contiguous)."""
+    return random_like_rank(tuple(reversed(shape)), seed).permute(*reversed(range(len(shape))))
+
+
+def stacked(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``local``, stacked along a new first dimension (the single-process reference input)."""
+    return torch.stack(gather_reference(local))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# allreduce
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_allreduce_sum_avg_forward_and_adjoint(op: str) -> None:
+    x = strided((3, 2), seed=1)
+    out = ms.allreduce(x, op)
+    expected = stacked(x).sum(0) / (size() if op == "avg" else 1)
+    assert_close(out, expected)
+    assert_adjoint(lambda t: ms.allreduce(t, op), x, seed=1)
+
+
+def ties(seed: int) -> torch.Tensor:
+    """Small integers as float64, so that several ranks often hold the same extremum; [0, 0] ties on all ranks."""
+    x = torch.randint(0, 3, (4, 3), generator=torch.Generator().manual_seed(100 * seed + rank())).double()
+    x[0, 0] = 7.0
+    x[0, 1] = -7.0
+    return x
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_allreduce_max_min_gradient_goes_to_the_lowest_owner(op: str) -> None:
+    x = ties(seed=2).requires_grad_(True)
+    y = random_like_rank((4, 3), seed=3)
+    out = ms.allreduce(x, op)
+    out.backward(y)
+    inputs, cotangents = stacked(x.detach()), stacked(y)
+    extreme = inputs.amax(0) if op == "max" else inputs.amin(0)
+    assert torch.equal(out.detach(), extreme)
+    owner = (inputs == extreme).int().argmax(0)  # the first (lowest) rank holding the extremum
+    expected = torch.where(owner == rank(), cotangents.sum(0), torch.zeros(4, 3, dtype=torch.float64))
+    assert_close(x.grad, expected)  # includes [0, 0] and [0, 1], tied on every rank: rank 0 owns them
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_allreduce_max_min_adjoint(op: str) -> None:
+    """max and min are positively homogeneous, so the dot-product identity holds for them too."""
+    assert_adjoint(lambda t: ms.allreduce(t, op), ties(seed=4), seed=4)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_allreduce_gradcheck(op: str) -> None:
+    """gradcheck runs on every rank at once: each rank perturbs its own element j while the others perturb theirs,
+    and seeds backward with the same cotangent everywhere. That is valid when the Jacobian blocks satisfy
+    ``sum_s J_rs = sum_s J_sr``, as for sum and avg (every block is I or I/P); not for max/min (left to the
+    reference test above)."""
+    x = strided((2, 2), seed=5).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: ms.allreduce(t, op), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_sums_are_exact(dtype: torch.dtype) -> None:
+    """1.5 and 2.25 are exact in both formats, and so are their sums over up to 4 ranks: summing bit patterns or
+    rounding after every step would show."""
+    value = 1.5 if rank() % 2 == 0 else 2.25
+    x = torch.full((3,), value, dtype=dtype)
+    total = sum(1.5 if r % 2 == 0 else 2.25 for r in range(size()))
+    out = ms.allreduce(x)
+    assert out.dtype == dtype and torch.equal(out, torch.full((3,), total, dtype=dtype))
+    assert torch.equal(ms.allreduce(x, "avg"), torch.full((3,), total / size(), dtype=torch.float64).to(dtype))
+    assert torch.equal(ms.allreduce(x, "max"), torch.full((3,), 2.25 if size() > 1 else 1.5, dtype=dtype))
+
+
+def test_bool_max_min_are_logical_or_and() -> None:
+    x = random_like_rank((5, 2), seed=6) > 0
+    everyone = stacked(x)
+    assert torch.equal(ms.allreduce(x, "max"), everyone.any(0))
+    assert torch.equal(ms.allreduce(x, "min"), everyone.all(0))
+
+
+def test_integer_sums_are_exact() -> None:
+    x = torch.arange(4, dtype=torch.int64) * (2**40) + rank()
+    assert torch.equal(ms.allreduce(x), stacked(x).sum(0))
+    assert torch.equal(ms.allreduce(x, "min"), stacked(x).amin(0))
+
+
+def test_dtype_and_op_errors_raise_on_every_rank() -> None:
+    with pytest.raises(TypeError, match="avg"):
+        ms.allreduce(torch.ones(2, dtype=torch.int64), "avg")
+    with pytest.raises(TypeError, match="bool"):
+        ms.allreduce(torch.ones(2, dtype=torch.bool), "sum")
+    with pytest.raises(TypeError, match="complex"):
+        ms.allreduce(torch.ones(2, dtype=torch.complex64), "max")
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        ms.allreduce(torch.ones(2), "prod")
+    with pytest.raises(TypeError, match="avg"):
+        ms.reduce(torch.ones(2, dtype=torch.int32), op="avg")
+
+
+def test_mismatched_shapes_raise_communication_error_on_every_rank() -> None:
+    if size() == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    with pytest.raises(CommunicationError, match="disagree"):
+        ms.allreduce(torch.ones(1 + rank()))
+    with pytest.raises(CommunicationError, match="disagree"):
+        ms.allreduce(torch.ones(2), "sum" if rank() else "avg")
+    with pytest.raises(CommunicationError, match="disagree"):
+        ms.reduce(torch.ones(2), root=rank())
+    assert torch.equal(ms.allreduce(torch.ones(2)), torch.full((2,), float(size())))
+
+
+def test_agree_accepts_long_signatures() -> None:
+    """Signatures longer than one row (reduce_scatter_v's sizes on many ranks) are folded into a digest."""
+    agree(ms.world(), "test", list(range(100)))
+    if size() > 1:
+        with pytest.raises(CommunicationError, match="disagree"):
+            agree(ms.world(), "test", [*range(99), rank()])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# iallreduce
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_iallreduce_forward_and_backward(op: str) -> None:
+    x = strided((3, 2), seed=7).requires_grad_(True)
+    y = random_like_rank((3, 2), seed=8)
+    handle = ms.iallreduce(x, op)
+    out = handle.wait()
+    assert handle.test() and handle.is_completed() and handle.wait() is out
+    scale = size() if op == "avg" else 1
+    assert_close(out, stacked(x.detach()).sum(0) / scale)
+    (out * y).sum().backward()
+    assert_close(x.grad, stacked(y).sum(0) / scale)
+    assert_adjoint(lambda t: ms.iallreduce(t, op).wait(), x, seed=9)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "separate out"])
+def test_iallreduce_out_under_no_grad(op: str, layout: str) -> None:
+    x = strided((3, 2), seed=10)
+    if layout == "contiguous":
+        x = x.contiguous()
+    expected = stacked(x).sum(0) / (size() if op == "avg" else 1)
+    out = torch.empty(3, 2, dtype=torch.float64) if layout == "separate out" else x
+    pointer = out.data_ptr()
+    with torch.no_grad():
+        result = ms.iallreduce(x, op, out=out).wait()
+    assert result is out and out.data_ptr() == pointer
+    assert_close(out, expected)
+
+
+def test_iallreduce_errors_raise_on_every_rank() -> None:
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(ValueError, match="no_grad"):
+        ms.iallreduce(x, out=x)
+    with pytest.raises(ValueError, match="non-blocking"):
+        ms.iallreduce(x, "max")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reduce
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_reduce_to_a_non_zero_root(op: str) -> None:
+    root = size() - 1
+    x = strided((2, 3), seed=11)
+    out = ms.reduce(x, root=root, op=op)
+    expected = stacked(x).sum(0) / (size() if op == "avg" else 1)
+    if rank() == root:
+        assert_close(out, expected)
+    else:
+        assert isinstance(out, Placeholder) and out.holder == root and out.shape == (2, 3)
+        assert f"rank {root}" in repr(out)
+        with pytest.raises(TypeError, match=f"held by rank {root}"):
+            torch.exp(out)
+    assert_adjoint(lambda t: ms.reduce(t, root=root, op=op), x, seed=11)
+
+
+def test_reduce_root_out_of_range_raises_on_every_rank() -> None:
+    with pytest.raises(ValueError, match="root"):
+        ms.reduce(torch.ones(2), root=size())
+    with pytest.raises(ValueError, match="sum"):
+        ms.reduce(torch.ones(2), op="max")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reduce_scatter / reduce_scatter_v
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_reduce_scatter_forward_and_adjoint(op: str, dim: int) -> None:
+    shape = (2 * size(), 3) if dim == 0 else (3, 2 * size())
+    x = strided(shape, seed=12)
+    out = ms.reduce_scatter(x, dim=dim, op=op)
+    total = stacked(x).sum(0) / (size() if op == "avg" else 1)
+    assert_close(out, torch.chunk(total, size(), dim=dim)[rank()])
+    assert_adjoint(lambda t: ms.reduce_scatter(t, dim=dim, op=op), x, seed=12)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("pattern", ["r+1", "r (rank 0 empty)", "default"])
+def test_reduce_scatter_v_uneven(dim: int, pattern: str) -> None:
+    sizes = {
+        "r+1": [r + 1 for r in range(size())],
+        "r (rank 0 empty)": list(range(size())),
+        "default": None,
+    }[pattern]
+    length = sum(sizes) if sizes is not None else 2 * size() + 1
+    expected_sizes = sizes or [t.shape[0] for t in torch.tensor_split(torch.empty(length), size())]
+    x = strided((length, 3) if dim == 0 else (3, length), seed=13)
+    out = ms.reduce_scatter_v(x, sizes, dim=dim)
+    assert_close(out, torch.split(stacked(x).sum(0), expected_sizes, dim=dim)[rank()])
+    assert_adjoint(lambda t: ms.reduce_scatter_v(t, sizes, dim=dim), x, seed=13)
+
+
+def test_reduce_scatter_errors_raise_on_every_rank() -> None:
+    if size() > 1:
+        with pytest.raises(ValueError, match="not divisible"):
+            ms.reduce_scatter(torch.ones(size() + 1))
+    with pytest.raises(ValueError, match="sizes"):
+        ms.reduce_scatter_v(torch.ones(3), [1] * (size() + 1))

@@ -1,0 +1,145 @@
+"""Tiny models, synthetic data and Trainer defaults shared by the strategy tests."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from mpi4py import MPI
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import mpistrategy  # noqa: F401  (registers "mpi_ad")
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
+
+COMM = MPI.COMM_WORLD
+RANK = COMM.Get_rank()
+SIZE = COMM.Get_size()
+
+QUIET = dict(
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+    num_sanity_val_steps=0,
+    accelerator="cpu",
+)
+
+
+def trainer(**kwargs: Any) -> L.Trainer:
+    """A quiet Trainer with the mpi_ad strategy (override anything with kwargs)."""
+    options = {**QUIET, "strategy": "mpi_ad", **kwargs}
+    return L.Trainer(**options)
+
+
+def shared_tmpdir() -> str:
+    """A temporary directory created by rank 0 and shared by every rank."""
+    path = tempfile.mkdtemp(prefix="mpistrategy-test-") if RANK == 0 else None
+    return COMM.bcast(path, root=0)
+
+
+def regression_data(samples: int, features: int = 6, outputs: int = 2, seed: int = 0) -> TensorDataset:
+    """The same float64 regression data set on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=g, dtype=torch.float64)
+    w = torch.randn(features, outputs, generator=g, dtype=torch.float64)
+    y = torch.tanh(x @ w) + 0.1 * torch.randn(samples, outputs, generator=g, dtype=torch.float64)
+    return TensorDataset(x, y)
+
+
+def mlp(features: int = 6, hidden: int = 8, outputs: int = 2, seed: int = 0, batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(features, hidden)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(hidden))
+    layers += [nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, outputs)]
+    return nn.Sequential(*layers).double()
+
+
+class Regressor(L.LightningModule):
+    """MSE regression with plain SGD (momentum optional)."""
+
+    def __init__(self, net: nn.Module, lr: float = 0.1, momentum: float = 0.0) -> None:
+        super().__init__()
+        self.net = net
+        self.lr = lr
+        self.momentum = momentum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def reference_sgd(
+    net: nn.Module,
+    data: TensorDataset,
+    batch: int,
+    steps: int,
+    lr: float,
+    momentum: float = 0.0,
+    accumulate: int = 1,
+    clip: float | None = None,
+) -> nn.Module:
+    """One process, plain PyTorch: ``steps`` optimizer steps over consecutive batches of ``batch`` samples, each
+    step accumulating ``accumulate`` batches (loss divided by ``accumulate``, as Lightning does), optional
+    norm clipping."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    x, y = data.tensors
+    position = 0
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for _ in range(accumulate):
+            xb, yb = x[position : position + batch], y[position : position + batch]
+            position += batch
+            (nn.functional.mse_loss(net(xb), yb) / accumulate).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        optimizer.step()
+    return net
+
+
+def epoch_order(data: TensorDataset, epoch: int = 0, seed: int = 0) -> TensorDataset:
+    """``data`` in the order Lightning's automatic ``DistributedSampler`` (shuffle=True, seed 0) visits it.
+
+    Rank r of N gets ``perm[r::N]``, so the union of every rank's j-th batch of b samples is the j-th block of
+    N*b samples of ``perm``: the batch one process with batch N*b sees.
+    """
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + epoch))
+    return TensorDataset(*(t[perm] for t in data.tensors))
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def assert_same_on_all_ranks(tensor: torch.Tensor, what: str = "tensor") -> None:
+    everyone = COMM.allgather(tensor.detach().cpu())
+    for rank, other in enumerate(everyone):
+        assert torch.equal(other, everyone[0]), f"{what} differs between rank 0 and rank {rank}"
+
+
+class IndexDataset(Dataset):
+    """Item i is ``(i as float64 feature vector, i)``: lets tests see which samples a rank got."""
+
+    def __init__(self, size: int, features: int = 4) -> None:
+        self.size = size
+        self.features = features
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.full((self.features,), float(index), dtype=torch.float64), index
+
+
+def loader(dataset: Dataset, batch_size: int, **kwargs: Any) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
+

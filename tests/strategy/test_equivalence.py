@@ -1,0 +1,53 @@
+"""N ranks with per-rank batch b train exactly like one process with batch N*b (float64, tight tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.strategy.helpers import (
+    SIZE,
+    Regressor,
+    epoch_order,
+    flat_parameters,
+    loader,
+    mlp,
+    reference_sgd,
+    regression_data,
+    trainer,
+)
+
+PER_RANK_BATCH = 4
+STEPS = 4
+
+
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=120)
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_matches_single_process_large_batch(accumulate: int, clip: float | None) -> None:
+    samples = SIZE * PER_RANK_BATCH * accumulate * STEPS
+    data = regression_data(samples)
+    model = Regressor(mlp(seed=1), lr=0.2, momentum=0.9)
+    options = {"gradient_clip_val": clip} if clip is not None else {}
+    fit = trainer(max_steps=STEPS, accumulate_grad_batches=accumulate, **options)
+    fit.fit(model, loader(data, PER_RANK_BATCH))
+    assert fit.global_step == STEPS
+
+    reference = reference_sgd(
+        mlp(seed=1), epoch_order(data), SIZE * PER_RANK_BATCH, STEPS, lr=0.2, momentum=0.9, accumulate=accumulate, clip=clip
+    )
+    got, want = flat_parameters(model), flat_parameters(reference)
+    assert not torch.equal(want, flat_parameters(mlp(seed=1))), "the reference did not train"
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_clipping_is_active_and_matches() -> None:
+    """With a tiny clip value the clipped update differs from the unclipped one, and still matches."""
+    data = regression_data(SIZE * PER_RANK_BATCH * 2)
+    clipped = Regressor(mlp(seed=2), lr=0.5)
+    trainer(max_steps=2, gradient_clip_val=1e-3).fit(clipped, loader(data, PER_RANK_BATCH))
+    free = reference_sgd(mlp(seed=2), epoch_order(data), SIZE * PER_RANK_BATCH, 2, lr=0.5)
+    reference = reference_sgd(mlp(seed=2), epoch_order(data), SIZE * PER_RANK_BATCH, 2, lr=0.5, clip=1e-3)
+    assert not torch.allclose(flat_parameters(free), flat_parameters(reference))
+    torch.testing.assert_close(flat_parameters(clipped), flat_parameters(reference), rtol=1e-12, atol=1e-12)

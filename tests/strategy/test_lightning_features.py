@@ -1,0 +1,334 @@
+"""Lightning and torchmetrics features over MPI. Each test fails if the feature silently stays per-rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torchmetrics
+from lightning_utilities.core.rank_zero import rank_zero_only
+from torch import nn
+
+from mpistrategy.strategy.environment import MPIEnvironment
+from tests.strategy.helpers import (
+    COMM,
+    RANK,
+    SIZE,
+    IndexDataset,
+    Regressor,
+    assert_same_on_all_ranks,
+    epoch_order,
+    flat_parameters,
+    loader,
+    mlp,
+    reference_sgd,
+    regression_data,
+    trainer,
+)
+
+RANK_ZERO_ONLY_AT_IMPORT = rank_zero_only.rank  # read at collection, before any Trainer exists
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_ranks_come_from_mpi() -> None:
+    assert RANK_ZERO_ONLY_AT_IMPORT == RANK, "rank_zero_only.rank was not set from MPI at import"
+    fit = trainer()
+    env = fit.strategy.cluster_environment
+    assert isinstance(env, MPIEnvironment)
+    assert (fit.global_rank, fit.world_size, fit.local_rank, fit.node_rank) == (RANK, SIZE, RANK, 0)
+    assert env.num_nodes() == 1 and env.local_world_size() == SIZE and env.creates_processes_externally
+    assert fit.strategy.distributed_sampler_kwargs == {"num_replicas": SIZE, "rank": RANK}
+    assert fit._accelerator_connector.is_distributed
+    assert rank_zero_only.rank == RANK
+
+
+class _Recorder(L.LightningModule):
+    """Logs rank-dependent values with sync_dist and records which samples and gathers each rank saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1).double()
+        self.seen: list[int] = []
+        self.gathered: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, index = batch
+        self.seen += index.tolist()
+        self.gathered.append(self.all_gather(index))
+        self.log("rank_mean", float(RANK), sync_dist=True, on_step=False, on_epoch=True)
+        self.log("rank_max", float(RANK), sync_dist=True, reduce_fx="max", on_step=False, on_epoch=True)
+        self.log("rank_step", float(RANK), sync_dist=True, on_step=True, on_epoch=False)
+        return self.layer(x / 100).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_distributed_sampler_sync_dist_and_all_gather_in_module() -> None:
+    per_rank, batches = 2, 3
+    model = _Recorder()
+    fit = trainer(max_epochs=1)
+    fit.fit(model, loader(IndexDataset(SIZE * per_rank * batches), per_rank))
+    everyone = COMM.allgather(model.seen)
+    flat = [i for seen in everyone for i in seen]
+    assert sorted(flat) == list(range(SIZE * per_rank * batches)), "ranks did not get disjoint shards"
+    expected_mean = (SIZE - 1) / 2
+    assert fit.callback_metrics["rank_mean"].item() == pytest.approx(expected_mean)
+    assert fit.callback_metrics["rank_max"].item() == SIZE - 1
+    assert fit.callback_metrics["rank_step"].item() == pytest.approx(expected_mean)
+    for step, gathered in enumerate(model.gathered):
+        assert gathered.shape == (SIZE, per_rank)
+        assert [g[step * per_rank : (step + 1) * per_rank] for g in everyone] == gathered.tolist()
+
+
+class _Classifier(L.LightningModule):
+    """Rank 0 predicts every label right, the other ranks every label wrong: local accuracies are 1 or 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1).double()
+        self.accuracy = torchmetrics.classification.BinaryAccuracy()
+        self.values = torchmetrics.CatMetric()
+        self.computed: dict[str, Any] = {}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        _, index = batch
+        labels = index % 2
+        predictions = labels if RANK == 0 else 1 - labels
+        self.accuracy.update(predictions, labels)
+        self.log("val_acc", self.accuracy, on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.values.update(torch.arange(RANK + 1, dtype=torch.float32))  # a different length on every rank
+        self.computed["values"] = self.values.compute()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_torchmetrics_sync_across_ranks() -> None:
+    model = _Classifier()
+    fit = trainer()
+    fit.validate(model, loader(IndexDataset(SIZE * 4), 2), verbose=False)
+    assert fit.callback_metrics["val_acc"].item() == pytest.approx(1 / SIZE), "accuracy was not synced"
+    values = model.computed["values"]
+    assert sorted(values.tolist()) == sorted(float(i) for r in range(SIZE) for i in range(r + 1))
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_all_gather_sync_grads_is_the_adjoint() -> None:
+    strategy = trainer().strategy
+    x = torch.full((2,), float(RANK + 1), dtype=torch.float64, requires_grad=True)
+    gathered = strategy.all_gather(x, sync_grads=True)
+    assert gathered.shape == (SIZE, 2)
+    assert gathered[:, 0].tolist() == [float(r + 1) for r in range(SIZE)]
+    weights = torch.arange(SIZE * 2, dtype=torch.float64).reshape(SIZE, 2) * (RANK + 1)  # differs per rank
+    (gathered * weights).sum().backward()
+    total_factor = sum(r + 1 for r in range(SIZE))
+    expected = torch.arange(SIZE * 2, dtype=torch.float64).reshape(SIZE, 2)[RANK] * total_factor
+    torch.testing.assert_close(x.grad, expected)
+    plain = strategy.all_gather(x, sync_grads=False)
+    assert not plain.requires_grad and torch.equal(plain, gathered.detach())
+    scalar = strategy.all_gather(torch.tensor(float(RANK)))
+    assert scalar.tolist() == [float(r) for r in range(SIZE)]
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_reduce_broadcast_barrier() -> None:
+    from torch.distributed import ReduceOp
+
+    strategy = trainer().strategy
+    value = torch.tensor([float(RANK), 1.0])
+    assert strategy.reduce(value, reduce_op="sum").tolist() == [SIZE * (SIZE - 1) / 2, SIZE]
+    assert strategy.reduce(value).tolist() == pytest.approx([(SIZE - 1) / 2, 1.0])
+    assert strategy.reduce(value, reduce_op="max").tolist() == [SIZE - 1, 1.0]
+    assert strategy.reduce(value, reduce_op="min").tolist() == [0.0, 1.0]
+    assert strategy.reduce(value, reduce_op=ReduceOp.SUM).tolist() == [SIZE * (SIZE - 1) / 2, SIZE]
+    assert strategy.reduce(value, reduce_op=ReduceOp.MAX).tolist() == [SIZE - 1, 1.0]
+    assert strategy.reduce(torch.tensor(RANK * 2), reduce_op="mean").item() == (SIZE - 1)  # integer mean
+    assert strategy.reduce("not a tensor") == "not a tensor"
+    obj = {"from": RANK, "tensor": torch.arange(3) * RANK, "nested": [RANK, {"x": "y"}]}
+    got = strategy.broadcast(obj, src=SIZE - 1)
+    assert got["from"] == SIZE - 1 and got["tensor"].tolist() == [0, SIZE - 1, 2 * (SIZE - 1)]
+    strategy.barrier("test")
+    assert strategy.reduce_boolean_decision(RANK == 0, all=False) is True
+    assert strategy.reduce_boolean_decision(RANK == 0, all=True) is False
+
+
+class _Evaluated(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(RANK)  # different on every rank: the strategy must broadcast rank 0's
+        self.layer = nn.Linear(4, 1).double()
+        self.val_seen: list[int] = []
+        self.test_seen: list[int] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.val_seen += batch[1].tolist()
+        self.log("val_rank", float(RANK), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.test_seen += batch[1].tolist()
+        self.log("test_rank", float(RANK), sync_dist=True, reduce_fx="sum")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.stack([self.layer(batch[0]).squeeze(1), batch[1].double()], dim=1)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_validate_test_predict() -> None:
+    size = SIZE * 6
+    data = IndexDataset(size)
+    model = _Evaluated()
+    fit = trainer()
+    fit.validate(model, loader(data, 3), verbose=False)
+    assert_same_on_all_ranks(flat_parameters(model), "parameters after broadcast")
+    assert fit.callback_metrics["val_rank"].item() == pytest.approx((SIZE - 1) / 2)
+    fit.test(model, loader(data, 3), verbose=False)
+    assert fit.callback_metrics["test_rank"].item() == 2 * SIZE * (SIZE - 1) / 2  # summed over 2 batches, all ranks
+    for seen in (model.val_seen, model.test_seen):
+        assert sorted(i for s in COMM.allgather(seen) for i in s) == list(range(size))
+    predictions = torch.cat(fit.predict(model, loader(data, 3)))
+    everyone = torch.cat(COMM.allgather(predictions))
+    assert sorted(everyone[:, 1].long().tolist()) == list(range(size))
+    with torch.no_grad():
+        expected = model.layer(torch.stack([data[i][0] for i in everyone[:, 1].long().tolist()])).squeeze(1)
+    torch.testing.assert_close(everyone[:, 0], expected)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_parameters_and_buffers_broadcast_at_setup() -> None:
+    torch.manual_seed(100 + RANK)
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).double()
+    net[1].running_mean.fill_(RANK)
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    rank0 = COMM.bcast(initial, root=0)
+    model = Regressor(net)
+    fit = trainer(max_steps=0)
+    fit.fit(model, loader(regression_data(SIZE * 4), 2))
+    for key, value in net.state_dict().items():
+        torch.testing.assert_close(value, rank0[key], msg=f"{key} was not broadcast from rank 0")
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_bf16_mixed_precision_trains_in_sync() -> None:
+    data = regression_data(SIZE * 8 * 3)
+    net = mlp(seed=3).float()
+    model = Regressor(net, lr=0.1)
+    fit = trainer(max_steps=3, precision="bf16-mixed")
+    fit.fit(model, loader(torch.utils.data.TensorDataset(*(t.float() for t in data.tensors)), 8))
+    assert fit.global_step == 3
+    assert_same_on_all_ranks(flat_parameters(model), "bf16-mixed parameters")
+    reference = reference_sgd(mlp(seed=3), epoch_order(data), SIZE * 8, 3, lr=0.1)
+    start = flat_parameters(mlp(seed=3))
+    moved, want = flat_parameters(model).double() - start, flat_parameters(reference) - start
+    assert torch.linalg.norm(moved - want) < 0.1 * torch.linalg.norm(want), "bf16 training went elsewhere"
+
+
+class _TwoOptimizers(L.LightningModule):
+    """Manual optimization, GAN-style: optimizer 1 updates ``a`` on loss 1 (through ``b``), optimizer 2 updates
+    ``b`` on loss 2."""
+
+    def __init__(self, a: nn.Module, b: nn.Module) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = a, b
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt_a, opt_b = self.optimizers()
+        loss_a = nn.functional.mse_loss(self.b(self.a(x)), y)
+        opt_a.zero_grad()
+        self.manual_backward(loss_a)
+        opt_a.step()
+        loss_b = nn.functional.mse_loss(self.b(self.a(x).detach()), y)
+        opt_b.zero_grad()
+        self.manual_backward(loss_b)
+        self.clip_gradients(opt_b, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt_b.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.a.parameters(), lr=0.3), torch.optim.Adam(self.b.parameters(), lr=0.01)]
+
+
+def _two_nets() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh()).double(), nn.Linear(5, 2).double()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_manual_optimization_two_optimizers_matches_single_process() -> None:
+    steps, per_rank = 3, 4
+    data = regression_data(SIZE * per_rank * steps)
+    a, b = _two_nets()
+    model = _TwoOptimizers(a, b)
+    trainer(max_epochs=1).fit(model, loader(data, per_rank))
+
+    ra, rb = _two_nets()
+    opt_a, opt_b = torch.optim.SGD(ra.parameters(), lr=0.3), torch.optim.Adam(rb.parameters(), lr=0.01)
+    x, y = epoch_order(data).tensors
+    for step in range(steps):
+        block = slice(step * SIZE * per_rank, (step + 1) * SIZE * per_rank)
+        xb, yb = x[block], y[block]
+        opt_a.zero_grad()
+        nn.functional.mse_loss(rb(ra(xb)), yb).backward()
+        opt_a.step()
+        opt_b.zero_grad()
+        nn.functional.mse_loss(rb(ra(xb).detach()), yb).backward()
+        torch.nn.utils.clip_grad_norm_(rb.parameters(), 0.05)
+        opt_b.step()
+    torch.testing.assert_close(flat_parameters(model), torch.cat([flat_parameters(ra), flat_parameters(rb)]))
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=60)
+def test_string_strategy_under_srun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What srun --ntasks=N sets (no --ntasks-per-node): Lightning's own SLURM path refuses, mpi_ad works."""
+    for key, value in {
+        "SLURM_NTASKS": str(SIZE),
+        "SLURM_PROCID": str(RANK),
+        "SLURM_LOCALID": str(RANK),
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NODELIST": "localhost",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    with pytest.raises(RuntimeError, match="--ntasks"):
+        L.Trainer(strategy="ddp", accelerator="cpu", logger=False)
+    fit = trainer()
+    assert isinstance(fit.strategy.cluster_environment, MPIEnvironment)
+    assert (fit.global_rank, fit.world_size) == (RANK, SIZE)
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=90)
+def test_pytorch_lightning_package() -> None:
+    import pytorch_lightning as PL
+
+    from mpistrategy.strategy.pytorch_lightning import MPIADStrategy as PLStrategy
+
+    class PLRegressor(PL.LightningModule):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    data = regression_data(SIZE * 4 * 4)
+    model = PLRegressor(mlp(seed=4))
+    fit = PL.Trainer(strategy="mpi_ad", max_epochs=1, accumulate_grad_batches=2, **_quiet())
+    assert isinstance(fit.strategy, PLStrategy)
+    fit.fit(model, loader(data, 4))
+    reference = reference_sgd(mlp(seed=4), epoch_order(data), SIZE * 4, 2, lr=0.2, accumulate=2)
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=1e-12, atol=1e-12)
+
+
+def _quiet() -> dict[str, Any]:
+    from tests.strategy.helpers import QUIET
+
+    return dict(QUIET)

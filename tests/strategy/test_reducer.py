@@ -1,0 +1,120 @@
+"""The gradient buckets outside Lightning: views, overlap, unused and frozen parameters, layout checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpistrategy.aggregation import MeanAggregator
+from mpistrategy.strategy.reducer import BucketLayoutError, GradientReducer, assign_buckets
+from mpistrategy.strategy.topology import topology
+from tests.strategy.helpers import COMM, RANK, SIZE
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3)).double()
+
+
+def _reducer(net: nn.Module, cap_mb: float = 0.002) -> GradientReducer:
+    return GradientReducer(net, MeanAggregator(), topology(), bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb / 4)
+
+
+def _backward(reducer: GradientReducer, loss: torch.Tensor, sync: bool = True) -> None:
+    reducer.prepare(sync)
+    loss.backward()
+    reducer.wait()
+
+
+def _rank_batch(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(SIZE * 3, 5, generator=g, dtype=torch.float64)
+    return x, x[RANK * 3 : RANK * 3 + 3]
+
+
+def test_assign_buckets_caps_and_order() -> None:
+    params = [(f"p{i}", nn.Parameter(torch.zeros(256))) for i in range(6)]  # 1 KB each
+    groups = assign_buckets(params, bucket_cap_mb=2.5 / 1024, first_bucket_cap_mb=1 / 1024)
+    assert [[n for n, _ in g] for g in groups] == [["p0"], ["p1", "p2", "p3"], ["p4", "p5"]]
+    mixed = [("a", nn.Parameter(torch.zeros(4))), ("b", nn.Parameter(torch.zeros(4, dtype=torch.float64)))]
+    assert len(assign_buckets(mixed, 25, 1)) == 2  # one dtype per bucket
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_gradients_are_views_and_averaged_during_backward() -> None:
+    net = _net()
+    reducer = _reducer(net)
+    assert len(reducer.buckets) >= 3
+    full, mine = _rank_batch()
+    _backward(reducer, net(mine).pow(2).sum() * (1 + RANK))
+    assert reducer.started_in_backward == len(reducer.buckets) and reducer.started_at_wait == 0
+    for bucket in reducer.buckets:
+        start = bucket.buffer.data_ptr()
+        end = start + bucket.nbytes
+        for param in bucket.params:
+            assert start <= param.grad.data_ptr() < end, "param.grad is not a view into its bucket"
+    # Expected: the mean over ranks of each rank's gradient.
+    ref = _net()
+    for rank in range(SIZE):
+        (ref(full[rank * 3 : rank * 3 + 3]).pow(2).sum() * (1 + rank) / SIZE).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    got = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    reducer.remove()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_accumulation_without_sync_then_sync() -> None:
+    net = _net()
+    reducer = _reducer(net)
+    full, mine = _rank_batch()
+    _backward(reducer, net(mine).sum(), sync=False)
+    local = torch.cat([p.grad.reshape(-1) for p in net.parameters()]).clone()
+    everyone = COMM.allgather(local)
+    assert SIZE == 1 or not all(torch.equal(everyone[0], other) for other in everyone[1:]), "synced without sync"
+    _backward(reducer, net(mine).sum(), sync=True)
+    got = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+    torch.testing.assert_close(got, 2 * sum(everyone) / SIZE, rtol=1e-12, atol=1e-12)
+    reducer.remove()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_parameter_unused_on_some_ranks_does_not_hang() -> None:
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+    net = nn.ModuleDict({"a": a, "b": b})
+    reducer = GradientReducer(net, MeanAggregator(), topology(), bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    x = torch.ones(2, 4, dtype=torch.float64)
+    _backward(reducer, a(x).sum() if RANK % 2 == 0 else b(x).sum())  # even ranks never touch b, odd never a
+    ranks_using_b = len([r for r in range(SIZE) if r % 2 == 1])
+    torch.testing.assert_close(b.bias.grad, torch.full((4,), 2.0 * ranks_using_b / SIZE, dtype=torch.float64))
+    ranks_using_a = len([r for r in range(SIZE) if r % 2 == 0])
+    torch.testing.assert_close(a.bias.grad, torch.full((4,), 2.0 * ranks_using_a / SIZE, dtype=torch.float64))
+    reducer.remove()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=60)
+def test_frozen_parameters_untouched_and_unfrozen_later_picked_up() -> None:
+    net = _net()
+    first = net[0]
+    for p in first.parameters():
+        p.requires_grad_(False)
+    reducer = _reducer(net)
+    _, mine = _rank_batch()
+    _backward(reducer, net(mine).sum())
+    assert first.weight.grad is None and first.bias.grad is None
+    for p in first.parameters():
+        p.requires_grad_(True)
+    _backward(reducer, net(mine).sum())
+    gathered = COMM.allgather(first.weight.grad.clone())
+    assert all(torch.equal(gathered[0], g) for g in gathered), "unfrozen parameter was not synchronised"
+    reducer.remove()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=60)
+def test_different_models_raise_clearly() -> None:
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2 + RANK)
+    with pytest.raises(BucketLayoutError, match="ranks built different gradient buckets"):
+        _reducer(net)

@@ -1,0 +1,91 @@
+"""SyncBatchNorm on N ranks equals BatchNorm on one process with the concatenated batch: outputs, gradients
+(through the differentiable allreduce) and running statistics; and Trainer(sync_batchnorm=True) uses it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+
+from mpistrategy.nn import SyncBatchNorm
+from tests.strategy.helpers import COMM, RANK, SIZE, Regressor, epoch_order, loader, mlp, regression_data, trainer
+
+
+def _split(total: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    start = sum(sizes[:RANK])
+    return total[start : start + sizes[RANK]]
+
+
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=60)
+@pytest.mark.parametrize("shape", [(6,), (3, 4, 5)])
+def test_forward_backward_and_running_stats_match_full_batch(shape: tuple[int, ...]) -> None:
+    sizes = [r + 2 for r in range(SIZE)]  # uneven batches
+    g = torch.Generator().manual_seed(11)
+    full_x = torch.randn(sum(sizes), *shape, generator=g, dtype=torch.float64) * 3 + 1
+    full_w = torch.randn(sum(sizes), *shape, generator=g, dtype=torch.float64)
+    bn_type = nn.BatchNorm1d if len(shape) == 1 else nn.BatchNorm2d
+    torch.manual_seed(0)
+    reference = bn_type(shape[0], momentum=0.3).double()
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+        reference.bias.uniform_(-0.5, 0.5)
+    sync = SyncBatchNorm.convert_sync_batchnorm(bn_type(shape[0], momentum=0.3).double())
+    sync.load_state_dict(reference.state_dict())
+    assert isinstance(sync, SyncBatchNorm)
+
+    x_full = full_x.clone().requires_grad_(True)
+    (reference(x_full) * full_w).sum().backward()
+
+    x = _split(full_x, sizes).clone().requires_grad_(True)
+    out = sync(x)
+    torch.testing.assert_close(out, _split(reference(full_x.detach()), sizes).detach(), rtol=1e-10, atol=1e-10)
+    (out * _split(full_w, sizes)).sum().backward()  # rank r's own loss; the global objective is their sum
+    torch.testing.assert_close(x.grad, _split(x_full.grad, sizes), rtol=1e-10, atol=1e-10)
+    weight_grad = sum(COMM.allgather(sync.weight.grad))
+    bias_grad = sum(COMM.allgather(sync.bias.grad))
+    torch.testing.assert_close(weight_grad, reference.weight.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(bias_grad, reference.bias.grad, rtol=1e-10, atol=1e-10)
+    # the reference ran forward twice in training mode; run ours once more on the same data
+    sync(_split(full_x, sizes))
+    torch.testing.assert_close(sync.running_mean, reference.running_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sync.running_var, reference.running_var, rtol=1e-12, atol=1e-12)
+    assert int(sync.num_batches_tracked) == int(reference.num_batches_tracked) == 2
+
+    sync.eval()
+    reference.eval()
+    torch.testing.assert_close(sync(x.detach()), reference(x.detach()))
+    reverted = SyncBatchNorm.revert_sync_batchnorm(sync)
+    assert type(reverted) is bn_type and reverted.weight is sync.weight
+
+
+class _Watch(L.Callback):
+    def __init__(self) -> None:
+        self.types: set[type] = set()
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.types |= {type(m) for m in module.modules()}
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_trainer_sync_batchnorm_matches_single_process() -> None:
+    steps, per_rank = 3, 4
+    data = regression_data(SIZE * per_rank * steps)
+    model = Regressor(mlp(seed=5, batchnorm=True), lr=0.2)
+    watch = _Watch()
+    trainer(max_steps=steps, sync_batchnorm=True, callbacks=[watch]).fit(model, loader(data, per_rank))
+    assert SyncBatchNorm in watch.types and nn.BatchNorm1d not in watch.types
+    assert type(model.net[1]) is nn.BatchNorm1d, "SyncBatchNorm was not reverted after fit"
+
+    reference = mlp(seed=5, batchnorm=True)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.2)
+    x, y = epoch_order(data).tensors
+    for step in range(steps):
+        block = slice(step * SIZE * per_rank, (step + 1) * SIZE * per_rank)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x[block]), y[block]).backward()
+        optimizer.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.net.state_dict()[key], value, rtol=1e-10, atol=1e-12, msg=key)
