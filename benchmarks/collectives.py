@@ -62,7 +62,7 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
         else:
             comm.Allgather(x.numpy(), out.numpy())
             if backward:
-                comm.Reduce_scatter_block(grad.numpy(), back.numpy())
+                comm.Reduce_scatter(grad.numpy(), back.numpy(), [back.numel()] * size)
 
     def gloo():
         if not backward:

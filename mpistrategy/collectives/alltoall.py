@@ -22,11 +22,10 @@ from mpistrategy.collectives.gather import (
     check_along,
     check_dim_argument,
     check_sizes,
-    grad_flag,
     raise_if_flagged,
 )
 from mpistrategy.comm.buffers import empty_on_wire, off_wire, on_wire
-from mpistrategy.comm.checks import signature, validation_enabled
+from mpistrategy.comm.checks import grad_flag, signature, validation_enabled
 from mpistrategy.comm.communicator import Communicator, resolve
 
 

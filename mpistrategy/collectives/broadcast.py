@@ -20,9 +20,7 @@ from mpistrategy.comm.metadata import TensorMeta, exchange_meta
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, tensor: torch.Tensor, meta: TensorMeta, device: torch.device, root: int, comm: Communicator
-    ):
+    def forward(ctx, tensor: torch.Tensor, meta: TensorMeta, device: torch.device, root: int, comm: Communicator):
         ctx.root, ctx.comm, ctx.input_shape, ctx.input_dtype = root, comm, tensor.shape, tensor.dtype
         source = tensor if comm.rank == root else None
         result = _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward)
@@ -37,9 +35,7 @@ class _Broadcast(torch.autograd.Function):
         send = on_wire(grad, wire_dtype)
         if comm.rank == ctx.root:
             total = torch.empty_like(send)
-            comm.backward.Reduce(
-                mpi_buffer(send), mpi_buffer(total), op=mpi_op(wire_dtype, "sum"), root=ctx.root
-            )
+            comm.backward.Reduce(mpi_buffer(send), mpi_buffer(total), op=mpi_op(wire_dtype, "sum"), root=ctx.root)
             return off_wire(total, grad.dtype, grad.device), None, None, None, None
         comm.backward.Reduce(mpi_buffer(send), None, op=mpi_op(wire_dtype, "sum"), root=ctx.root)
         return torch.zeros(ctx.input_shape, dtype=ctx.input_dtype, device=grad.device), None, None, None, None
@@ -64,9 +60,7 @@ def broadcast(
     """
     comm = resolve(comm)
     check_rank(root, comm, "broadcast")
-    meta = exchange_meta(
-        tensor if comm.rank == root else None, comm.rank == root, root, comm.forward, "broadcast"
-    )
+    meta = exchange_meta(tensor if comm.rank == root else None, comm.rank == root, root, comm.forward, "broadcast")
     target = torch.device(device) if device is not None else (tensor.device if tensor is not None else None)
     if comm.rank == root:
         return _Broadcast.apply(tensor, meta, tensor.device, root, comm)

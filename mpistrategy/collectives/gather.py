@@ -30,7 +30,7 @@ from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to
 from mpistrategy.collectives.placeholder import Placeholder, anchor
 from mpistrategy.collectives.reduction import _allgather_front, _reduce_scatter_front
 from mpistrategy.comm.buffers import check_dtype, empty_on_wire, mpi_buffer, off_wire, on_wire
-from mpistrategy.comm.checks import agree, check_rank, signature, validation_enabled
+from mpistrategy.comm.checks import agree, check_rank, grad_flag, signature, validation_enabled
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.errors import CommunicationError
 from mpistrategy.comm.metadata import exchange_meta
@@ -129,11 +129,6 @@ def check_sizes(
             f"{total}; they must add up to it."
         )
     return values, None
-
-
-def grad_flag(tensor: object) -> int:
-    """1 when the op's result will take part in autograd on this rank (every rank must agree on it)."""
-    return int(isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled())
 
 
 def agree_checked(

@@ -82,9 +82,7 @@ class _Finish(torch.autograd.Function):
 class Handle:
     """A non-blocking op in flight. ``wait()`` returns its result (once; later calls return the same object)."""
 
-    def __init__(
-        self, tensor: torch.Tensor, link: Link, wrap: Callable[[torch.Tensor], Any] | None = None
-    ) -> None:
+    def __init__(self, tensor: torch.Tensor, link: Link, wrap: Callable[[torch.Tensor], Any] | None = None) -> None:
         self._link = link
         self._token = _Start.apply(tensor, link)
         self._wrap = wrap

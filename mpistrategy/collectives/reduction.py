@@ -35,7 +35,7 @@ from mpistrategy.comm.buffers import (
     on_wire,
     reduction_dtype,
 )
-from mpistrategy.comm.checks import agree, check_dim, check_rank, signature
+from mpistrategy.comm.checks import agree, check_dim, check_rank, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
@@ -109,9 +109,7 @@ def _check_reduction(tensor: torch.Tensor, op: str, what: str) -> None:
     reduction_dtype(tensor.dtype, op, what)
 
 
-def allreduce(
-    tensor: torch.Tensor, op: str = "sum", comm: MPI.Comm | Communicator | None = None
-) -> torch.Tensor:
+def allreduce(tensor: torch.Tensor, op: str = "sum", comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks of ``comm``; every rank gets the result.
 
     Args:
@@ -124,7 +122,7 @@ def allreduce(
     """
     _check_reduction(tensor, op, "allreduce")
     comm = resolve(comm)
-    agree(comm, "allreduce", signature(tensor, _OP_CODES[op]), "dtype, shape and op")
+    agree(comm, "allreduce", signature(tensor, _OP_CODES[op], grad_flag(tensor)), "dtype, shape, op, requires_grad")
     return _Allreduce.apply(tensor, op, comm)
 
 
@@ -143,15 +141,11 @@ def iallreduce(
     """
     _check_reduction(tensor, op, "iallreduce")
     if op not in ("sum", "avg"):
-        raise ValueError(
-            f"iallreduce: op={op!r} is not available non-blocking; use 'sum' or 'avg', or allreduce."
-        )
+        raise ValueError(f"iallreduce: op={op!r} is not available non-blocking; use 'sum' or 'avg', or allreduce.")
     if out is not None and torch.is_grad_enabled() and tensor.requires_grad:
-        raise ValueError(
-            "iallreduce: out= is only allowed under torch.no_grad() or for tensors without grad."
-        )
+        raise ValueError("iallreduce: out= is only allowed under torch.no_grad() or for tensors without grad.")
     comm = resolve(comm)
-    agree(comm, "iallreduce", signature(tensor, _OP_CODES[op]), "dtype, shape and op")
+    agree(comm, "iallreduce", signature(tensor, _OP_CODES[op], grad_flag(tensor)), "dtype, shape, op, requires_grad")
     link = Link(
         lambda x: _run_allreduce(x, op, comm.forward, comm.size, blocking=False, out=out),
         lambda g: _run_allreduce(g, op, comm.backward, comm.size, blocking=False),
@@ -205,12 +199,15 @@ def reduce(
     """
     _check_reduction(tensor, op, "reduce")
     if op not in ("sum", "avg"):
-        raise ValueError(
-            f"reduce: op={op!r} is not supported; use 'sum' or 'avg' (or allreduce for max/min)."
-        )
+        raise ValueError(f"reduce: op={op!r} is not supported; use 'sum' or 'avg' (or allreduce for max/min).")
     comm = resolve(comm)
     check_rank(root, comm, "reduce")
-    agree(comm, "reduce", signature(tensor, _OP_CODES[op], root), "dtype, shape, op and root")
+    agree(
+        comm,
+        "reduce",
+        signature(tensor, _OP_CODES[op], root, grad_flag(tensor)),
+        "dtype, shape, op, root, requires_grad",
+    )
     result = _Reduce.apply(tensor, op, root, comm)
     if comm.rank == root:
         return result
@@ -233,13 +230,16 @@ def _reduce_scatter_front(
 
 
 def _allgather_front(front: torch.Tensor, sizes: list[int], channel: MPI.Intracomm) -> torch.Tensor:
-    """``MPI_Allgatherv`` of blocks along the first dimension, block r having ``sizes[r]`` rows."""
+    """``MPI_Allgather(v)`` of blocks along the first dimension, block r having ``sizes[r]`` rows."""
     send = on_wire(front)
     row = math.prod(send.shape[1:])
     result = empty_on_wire((sum(sizes), *send.shape[1:]), send.dtype, front.device)
-    counts = [s * row for s in sizes]
     send_buffer = mpi_buffer(send)
-    channel.Allgatherv(send_buffer, [mpi_buffer(result)[0], counts, offsets(counts), send_buffer[2]])
+    if len(set(sizes)) == 1:
+        channel.Allgather(send_buffer, [mpi_buffer(result)[0], send_buffer[1], send_buffer[2]])
+    else:
+        counts = [s * row for s in sizes]
+        channel.Allgatherv(send_buffer, [mpi_buffer(result)[0], counts, offsets(counts), send_buffer[2]])
     return off_wire(result, front.dtype, front.device)
 
 
@@ -285,7 +285,12 @@ def reduce_scatter_v(
             f"reduce_scatter: sizes={sizes} must give one non-negative block length per rank ({comm.size}) "
             f"adding up to the length {length} of dimension {dim}."
         )
-    agree(comm, "reduce_scatter", signature(tensor, _OP_CODES[op], dim, *sizes), "dtype, shape, op and sizes")
+    agree(
+        comm,
+        "reduce_scatter",
+        signature(tensor, _OP_CODES[op], dim, grad_flag(tensor), *sizes),
+        "dtype, shape, op, requires_grad and sizes",
+    )
     return _ReduceScatter.apply(tensor, sizes, dim, op, comm)
 
 

@@ -60,9 +60,7 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
     """Raise a clear error for dtypes no MPI transfer can carry."""
     if dtype not in DTYPE_CODES:
         supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
-        raise TypeError(
-            f"{what}: tensors of dtype {dtype} cannot be communicated; supported dtypes: {supported}."
-        )
+        raise TypeError(f"{what}: tensors of dtype {dtype} cannot be communicated; supported dtypes: {supported}.")
 
 
 def transfer_type(dtype: torch.dtype) -> MPI.Datatype:

@@ -65,6 +65,11 @@ def signature(tensor: torch.Tensor | None, *extra: int, skip_dim: int | None = N
     ]
 
 
+def grad_flag(tensor: object) -> int:
+    """1 when the op's result will take part in autograd on this rank (every rank must agree on it)."""
+    return int(isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled())
+
+
 def agree(comm: Communicator, what: str, local: Sequence[int], describe: str = "dtype and shape") -> None:
     """Raise :class:`CommunicationError` on every rank unless all ranks pass the same ``local`` signature.
 

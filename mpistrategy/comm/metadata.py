@@ -34,9 +34,7 @@ class TensorMeta:
         """The header as an int64 tensor of ``HEADER_LENGTH`` values."""
         check_dtype(self.dtype, what)
         if len(self.shape) > MAX_DIMS:
-            raise ValueError(
-                f"{what}: tensors of more than {MAX_DIMS} dimensions cannot be sent; reshape first."
-            )
+            raise ValueError(f"{what}: tensors of more than {MAX_DIMS} dimensions cannot be sent; reshape first.")
         header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
         header[0] = DTYPE_CODES.index(self.dtype)
         header[1] = int(self.requires_grad)
@@ -80,13 +78,9 @@ def exchange_meta(
     channel.Bcast(header.numpy(), root=root)
     code = int(header[0])
     if code == _NO_TENSOR:
-        raise ValueError(
-            f"{what}: the sending rank {root} passed no tensor; it must pass the tensor to send."
-        )
+        raise ValueError(f"{what}: the sending rank {root} passed no tensor; it must pass the tensor to send.")
     if code == _UNSENDABLE:
         if problem is not None:
             raise problem
-        raise TypeError(
-            f"{what}: the tensor on the sending rank {root} cannot be sent (see the error on rank {root})."
-        )
+        raise TypeError(f"{what}: the tensor on the sending rank {root} cannot be sent (see the error on rank {root}).")
     return TensorMeta.decode(header)
