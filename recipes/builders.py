@@ -1,7 +1,8 @@
 """Targets for ``hydra.utils.instantiate`` that adapt a config node to a Lightning object.
 
 ``strategy_by_name`` covers the strategies Lightning knows by name; ``mpi_ad_strategy`` builds mpistrategy's
-strategy with the aggregator of the aggregation group; ``build_run`` turns a composed config into everything ``Trainer.fit`` needs.
+strategy with the aggregator of the aggregation group; ``build_run`` turns a composed config into everything
+``Trainer.fit`` needs.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def build_strategy(cfg: DictConfig) -> Any:
 
 
 def build_run(cfg: DictConfig, *, trainer_overrides: dict[str, Any] | None = None) -> Run:
-    """Instantiate data, model (with the optimizer and scheduler partials), strategy, loggers, callbacks and the Trainer."""
+    """Instantiate data, model (with the optimizer and scheduler partials), strategy, loggers, callbacks, Trainer."""
     datamodule = instantiate(cfg.data)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)

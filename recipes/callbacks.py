@@ -174,6 +174,7 @@ def _latest_hpc_checkpoint(folder: str | os.PathLike) -> str | None:
 
 def list_hpc_checkpoints(folder: str | os.PathLike) -> list[Path]:
     """``hpc_ckpt_<n>.ckpt`` files in ``folder``, by ``n``."""
+
     def number(path: Path) -> int:
         try:
             return int(path.stem.rsplit("_", 1)[1])
@@ -183,13 +184,32 @@ def list_hpc_checkpoints(folder: str | os.PathLike) -> list[Path]:
     return sorted(Path(folder).glob("hpc_ckpt_*.ckpt"), key=number)
 
 
-def requeue_slurm_job() -> bool:
-    """``scontrol requeue $SLURM_JOB_ID`` (the array task's own id for job arrays). False outside SLURM."""
+REQUEUE_FILE_ENV = "MPISTRATEGY_REQUEUE_FILE"
+
+
+def slurm_job_id() -> str | None:
+    """This job's id for ``scontrol`` (``<array job>_<task>`` for an array task), or None outside SLURM."""
     array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    job = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
+    return f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_slurm_job() -> bool:
+    """Requeue this SLURM job. False outside SLURM.
+
+    With ``$MPISTRATEGY_REQUEUE_FILE`` set (slurm/preemptible.sbatch sets it), the job id is written there and the
+    batch script runs ``scontrol requeue`` once the step has ended: every rank exits cleanly first. Otherwise
+    ``scontrol requeue`` runs now, and SLURM ends the ranks while they are still shutting down (MPI state such as
+    MPICH's shared-memory segments of a killed rank can then be left behind on the node).
+    """
+    job = slurm_job_id()
     if not job:
         log.warning("preempted outside a SLURM job: not requeued (resume by running the same command again)")
         return False
+    marker = os.environ.get(REQUEUE_FILE_ENV)
+    if marker:
+        Path(marker).write_text(f"{job}\n")
+        log.warning("requeue of SLURM job %s requested: the batch script requeues it when this step ends", job)
+        return True
     result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     if result.returncode != 0:
         log.error("scontrol requeue %s failed: %s", job, (result.stderr or result.stdout).strip())

@@ -17,7 +17,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-# --- trainer ----------------------------------------------------------------------------------------------------
+# --- trainer ----------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -56,7 +56,7 @@ class TrainerConf:
     default_root_dir: str | None = "${paths.output_dir}"
 
 
-# --- strategy and aggregation -------------------------------------------------------------------------------------
+# --- strategy and aggregation -----------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -94,15 +94,15 @@ class MeanAggregationConf:
     _target_: str = "mpistrategy.aggregation.MeanAggregator"
 
 
-# --- model and optimizer ------------------------------------------------------------------------------------------
+# --- model and optimizer ----------------------------------------------------------------------------------------------
 
 
 @dataclass
 class MLPConf:
     _target_: str = "recipes.models.MLPClassifier"
     in_features: int = 64
-    hidden: int = 128
-    depth: int = 2
+    hidden: int = 256
+    depth: int = 1
     num_classes: int = 10
     dropout: float = 0.0
 
@@ -140,10 +140,10 @@ class PipelineMLPConf:
 class SGDConf:
     _target_: str = "torch.optim.SGD"
     _partial_: bool = True
-    lr: float = 0.1
+    lr: float = 0.05
     momentum: float = 0.9
     nesterov: bool = False
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0005
 
 
 @dataclass
@@ -178,13 +178,13 @@ class StepSchedulerConf:
     gamma: float = 0.5
 
 
-# --- data ------------------------------------------------------------------------------------------------------------
+# --- data -------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class DigitsDataConf:
     _target_: str = "recipes.data.DigitsDataModule"
-    batch_size: int = 64
+    batch_size: int = 32
     val_fraction: float = 0.2
     split_seed: int = 0
     standardize: bool = True
@@ -205,7 +205,7 @@ class SyntheticDataConf:
     same_batches_on_all_ranks: bool = False
 
 
-# --- logger and callbacks -----------------------------------------------------------------------------------------
+# --- logger and callbacks ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -269,7 +269,7 @@ class LearningRateMonitorConf:
     logging_interval: str | None = "epoch"
 
 
-# --- paths and the primary config -----------------------------------------------------------------------------------
+# --- paths and the primary config -------------------------------------------------------------------------------------
 
 
 @dataclass

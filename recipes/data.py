@@ -47,9 +47,7 @@ def load_digits_split(
     digits = load_digits()
     x = digits.data.astype(np.float64)
     y = digits.target.astype(np.int64)
-    x_train, x_val, y_train, y_val = train_test_split(
-        x, y, test_size=val_fraction, random_state=split_seed, stratify=y
-    )
+    x_train, x_val, y_train, y_val = train_test_split(x, y, test_size=val_fraction, random_state=split_seed, stratify=y)
     if standardize:
         mean = x_train.mean(axis=0)
         std = x_train.std(axis=0)
@@ -77,9 +75,7 @@ class _TensorDataModule(L.LightningDataModule):
         assert self.train_set is not None, "call setup() first"
         if self.same_batches_on_all_ranks:
             sampler = SeededShuffleSampler(len(self.train_set), seed=self.seed)
-            return DataLoader(
-                self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers
-            )
+            return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:

@@ -78,7 +78,7 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("mpi_size", size, replace=True)
 
 
-# --- logging handlers ------------------------------------------------------------------------------------------------
+# --- logging handlers -------------------------------------------------------------------------------------------------
 
 
 def _as_bool(value: Any) -> bool:
@@ -92,8 +92,8 @@ class RankStreamHandler(logging.StreamHandler):
 
     def __init__(self, stream=None, other_ranks_level: str | int = "WARNING") -> None:
         super().__init__(stream)
-        self._other_level = logging.getLevelName(other_ranks_level) if isinstance(other_ranks_level, str) else (
-            other_ranks_level
+        self._other_level = (
+            logging.getLevelName(other_ranks_level) if isinstance(other_ranks_level, str) else (other_ranks_level)
         )
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -139,7 +139,7 @@ class RankFileHandler(logging.Handler):
         super().close()
 
 
-# --- multirun.yaml ------------------------------------------------------------------------------------------------------
+# --- multirun.yaml ----------------------------------------------------------------------------------------------------
 
 
 def quiet_other_ranks() -> None:

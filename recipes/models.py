@@ -70,7 +70,10 @@ class ClassifierModule(L.LightningModule):
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "epoch"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "epoch"},
+        }
 
 
 def mlp(in_features: int, hidden: int, depth: int, num_classes: int, dropout: float = 0.0) -> nn.Sequential:

@@ -53,11 +53,17 @@ class PipelineMLP(nn.Module):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.dims = (in_features, hidden, layers_per_stage, num_classes)
         self.first, self.last = self.rank == 0, self.rank == self.size - 1
-        dense = dense if dense is not None else self.dense_twin(in_features, hidden, layers_per_stage, num_classes, self.size)
+        dense = (
+            dense
+            if dense is not None
+            else self.dense_twin(in_features, hidden, layers_per_stage, num_classes, self.size)
+        )
         linears = [m for m in dense if isinstance(m, nn.Linear)]
         if len(linears) != self.size * layers_per_stage:
-            raise ValueError(f"the dense model has {len(linears)} Linear layers, {self.size} stages need "
-                             f"{self.size * layers_per_stage}")
+            raise ValueError(
+                f"the dense model has {len(linears)} Linear layers, {self.size} stages need "
+                f"{self.size * layers_per_stage}"
+            )
         mine = linears[self.rank * layers_per_stage : (self.rank + 1) * layers_per_stage]
         layers: list[nn.Module] = []
         for i, linear in enumerate(mine):
@@ -69,7 +75,9 @@ class PipelineMLP(nn.Module):
         self.stage = nn.Sequential(*layers)
 
     @staticmethod
-    def dense_twin(in_features: int, hidden: int, layers_per_stage: int, num_classes: int, stages: int) -> nn.Sequential:
+    def dense_twin(
+        in_features: int, hidden: int, layers_per_stage: int, num_classes: int, stages: int
+    ) -> nn.Sequential:
         """The single-process model this pipeline equals."""
         return mlp(in_features, hidden, stages * layers_per_stage - 1, num_classes)
 

@@ -23,7 +23,7 @@ COMPARISON_PNG = "comparison.png"
 COMPARISON_CSV = "comparison.csv"
 
 
-# --- reading metrics -------------------------------------------------------------------------------------------------
+# --- reading metrics --------------------------------------------------------------------------------------------------
 
 
 def read_metrics(csv_path: str | Path) -> dict[str, list[tuple[float, float, float]]]:
@@ -63,7 +63,7 @@ def _epoch_key(series: dict[str, list], name: str) -> str | None:
     return None
 
 
-# --- one run -------------------------------------------------------------------------------------------------------
+# --- one run ----------------------------------------------------------------------------------------------------------
 
 
 def summarize_run(
@@ -162,7 +162,7 @@ def plot_curves(series: dict[str, list[tuple[float, float, float]]], path: str |
     plt.close(fig)
 
 
-# --- a sweep -------------------------------------------------------------------------------------------------------
+# --- a sweep ----------------------------------------------------------------------------------------------------------
 
 
 def compare_sweep(sweep_dir: str | Path, objective: str | None = None) -> list[dict[str, Any]]:
@@ -255,3 +255,22 @@ class SweepSummaryCallback(HydraCallback):
         points = compare_sweep(sweep_dir, objective)
         if points:
             log.info("sweep comparison of %d points: %s", len(points), Path(sweep_dir) / COMPARISON_PNG)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m recipes.summary <sweep dir> [objective]``: the comparison of a finished sweep (job arrays)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("sweep_dir", help="a folder whose sub-folders hold summary.json files")
+    parser.add_argument("objective", nargs="?", default=None, help="the metric to compare (default: each run's)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    points = compare_sweep(args.sweep_dir, args.objective)
+    for p in points:
+        print(f"#{p['job']}: {p.get('label', p['overrides'])}: {p['objective']} = {p['value']}")
+    return 0 if points else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -134,6 +134,15 @@ def train(cfg: DictConfig) -> float | None:
     _use_hydra_logging()
     _set_torch_threads(cfg.torch_threads)
     output_dir = Path(cfg.paths.output_dir)
+    info = _hydra_info()
+    log.info(
+        "rank %d of %d: %s %s, run dir %s",
+        hydra_mpi.rank(),
+        hydra_mpi.size(),
+        info.get("experiment", "default"),
+        " ".join(info.get("overrides", [])) or "(no overrides)",
+        output_dir,
+    )
 
     # Build on every rank; agree on the outcome before anything collective happens.
     try:

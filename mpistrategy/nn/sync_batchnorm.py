@@ -55,7 +55,9 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if input.shape[1] != self.num_features:
-            raise ValueError(f"SyncBatchNorm: expected {self.num_features} channels, got input of shape {tuple(input.shape)}.")
+            raise ValueError(
+                f"SyncBatchNorm: expected {self.num_features} channels, got input of shape {tuple(input.shape)}."
+            )
         use_batch_stats = self.training or not self.track_running_stats
         if not use_batch_stats:
             return F.batch_norm(

@@ -11,7 +11,9 @@ out-of-memory) is handled by the launcher itself, which tears the job down when 
 Coordinated stop. SIGTERM (preemption, ``scancel``) and SIGUSR1 (SLURM's ``--signal``, forwarded by MPICH's
 ``mpiexec``) may reach the ranks at different times, or only one of them. :class:`StopSignals` only records the
 signal; at the end of each training step that ended with an optimizer step, every rank contributes its flag to a
-max-allreduce, so all ranks decide together, at the same step, to save a checkpoint and stop.
+max-allreduce, so all ranks decide together, at the same step, to save a checkpoint and stop. The allreduce is
+non-blocking and completed one step later, so the check adds no synchronisation point to the step (the stop comes
+one step after the signal).
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ class StopSignals:
         self.received: int = 0
         self._previous: dict[int, object] = {}
         self._flag = np.zeros(1, dtype=np.int64)
+        self._result = np.zeros(1, dtype=np.int64)
+        self._request: MPI.Request | None = None
+        self._posted = False
 
     def install(self) -> None:
         """Take over the signals (replacing the handlers Lightning installed, which would stop one rank alone)."""
@@ -127,8 +132,29 @@ class StopSignals:
         self.received = signum
 
     def decide(self) -> int:
-        """Collective: the signal number some rank received (the largest), or 0 when none did."""
+        """Collective: the signal number some rank had received at the previous call (the largest), or 0.
+
+        The flags are combined by a non-blocking allreduce that each call posts and the next call completes, so
+        deciding costs no synchronisation in the training step; the decision lags one call behind, the same lag
+        on every rank. After a non-zero decision nothing is posted any more.
+        """
+        decision = 0
+        if self._posted:
+            self.finish()
+            decision = int(self._result[0])
+        if decision:
+            return decision
         self._flag[0] = self.received
         if self.comm.Get_size() > 1:
-            self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
-        return int(self._flag[0])
+            self._request = self.comm.Iallreduce(self._flag, self._result, op=MPI.MAX)
+        else:
+            self._result[0] = self._flag[0]
+        self._posted = True
+        return 0
+
+    def finish(self) -> None:
+        """Complete the allreduce in flight (collective: every rank has posted the same number of them)."""
+        if self._request is not None:
+            self._request.Wait()
+            self._request = None
+        self._posted = False

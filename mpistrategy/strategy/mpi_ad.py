@@ -200,6 +200,9 @@ class MPIADStrategyMixin:
         self.setup_precision_plugin()
         if fitting:
             fw.optimizers_to_device(self.optimizers, self.root_device)
+            if self._reducer is not None:
+                for optimizer, wrapper in zip(self.optimizers, self._lightning_optimizers, strict=True):
+                    self._reducer.attach_optimizer(optimizer, wrapper)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -300,7 +303,11 @@ class MPIADStrategyMixin:
         if self.world_size == 1 or control.allreduce(visible, op=MPI.LAND):
             checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
         else:
-            loaded = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only) if self.is_global_zero else None
+            loaded = (
+                self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+                if self.is_global_zero
+                else None
+            )
             checkpoint = control.bcast(loaded, root=0)
         state = checkpoint.get(CHECKPOINT_KEY, {}).get("aggregator")
         if state:
@@ -335,6 +342,7 @@ class MPIADStrategyMixin:
 
     def on_train_end(self) -> None:
         if self._stop is not None:
+            self._stop.finish()
             self._stop.uninstall()
 
     def on_validation_start(self) -> None:
@@ -375,6 +383,7 @@ class MPIADStrategyMixin:
             self._reducer.remove()
             self._reducer = None
         if self._stop is not None:
+            self._stop.finish()
             self._stop.uninstall()
         if self._layer_sync_applied is not None and self.model is not None:
             self.model = self._layer_sync_applied.revert(self.model)

@@ -8,11 +8,11 @@ combined result lands directly in ``.grad``: nothing is flattened before or copi
 
 Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientReducer.wait`):
 
-- ``register_post_accumulate_grad_hook`` fires when a parameter's gradient has been accumulated. If ``.grad`` is
-  not the bucket view (the optimizer's ``zero_grad(set_to_none=True)`` left it ``None`` and autograd created a
-  fresh tensor) it is copied into the view once and ``.grad`` re-pointed; later accumulations (gradient
-  accumulation) add in place.
-- When a bucket's last gradient lands, the bucket is handed to the :class:`~mpistrategy.aggregation.Aggregator`
+- The optimizers' ``zero_grad`` (see :meth:`GradientReducer.attach_optimizer`) zero the buckets in place, so
+  ``.grad`` stay views and autograd accumulates into them in place. Whenever ``.grad`` is not the bucket view all
+  the same (the first step, or ``zero_grad(set_to_none=True)`` called on the module), the
+  ``register_post_accumulate_grad_hook`` copies it into the view once and re-points ``.grad``.
+- That hook also counts: when a bucket's last gradient lands, the bucket is handed to the :class:`~mpistrategy.aggregation.Aggregator`
   (non-blocking). Buckets are started strictly in index order on every rank (a ready bucket waits for the ones
   before it), because MPI matches collectives on a communicator by order.
 - :meth:`~GradientReducer.wait` (Lightning's ``post_backward``, before clipping and the optimizer step) starts
@@ -128,6 +128,9 @@ class GradientReducer:
         self._armed = False
         self.started_in_backward = 0
         self.started_at_wait = 0
+        self._patched: list[tuple[object, bool]] = []
+        self._zero_plans: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Parameter]]]
+        self._zero_plans = {}
         self._build()
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -147,9 +150,9 @@ class GradientReducer:
             offsets = [sum(numels[:i]) for i in range(len(numels))]
             first = group[0][1]
             buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
-            views = [buffer[o : o + n].view_as(p) for o, n, (_, p) in zip(offsets, numels, group)]
+            views = [buffer[o : o + n].view_as(p) for o, n, (_, p) in zip(offsets, numels, group, strict=True)]
             params = [p for _, p in group]
-            for param, view in zip(params, views):
+            for param, view in zip(params, views, strict=True):
                 if param.grad is not None:
                     view.copy_(param.grad)
                     param.grad = view
@@ -159,6 +162,7 @@ class GradientReducer:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, position)))
         self._check_layout()
         self._flags = ()
+        self._zero_plans = {}
         self.aggregator.setup(AggregationContext(self.topology.gradients, self.topology, self.buckets))
         log.debug("GradientReducer: %s", self)
 
@@ -166,7 +170,9 @@ class GradientReducer:
         local = [(b.buffer.numel(), str(b.buffer.dtype), len(b.names)) for b in self.buckets]
         everyone = self.topology.control.allgather(local)
         if any(layout != local for layout in everyone):
-            listing = "; ".join(f"rank {r}: {len(x)} buckets, sizes {[s for s, _, _ in x]}" for r, x in enumerate(everyone))
+            listing = "; ".join(
+                f"rank {r}: {len(x)} buckets, sizes {[s for s, _, _ in x]}" for r, x in enumerate(everyone)
+            )
             raise BucketLayoutError(
                 "ranks built different gradient buckets, so their models differ (parameter shapes, dtypes or "
                 f"which parameters require gradients): {listing}. Every rank must build the same model."
@@ -263,7 +269,7 @@ class GradientReducer:
     def _adopt_gradients(self, index: int) -> None:
         """Point the ``.grad`` of a bucket's active parameters that got no gradient this pass at the bucket."""
         bucket = self.buckets[index]
-        for active, param, view in zip(self._active[index], bucket.params, bucket.views):
+        for active, param, view in zip(self._active[index], bucket.params, bucket.views, strict=True):
             if not active:
                 continue
             grad = param.grad
@@ -275,11 +281,72 @@ class GradientReducer:
                 view.copy_(grad)
             param.grad = view
 
+    # ------------------------------------------------------------------------------------------- zero_grad
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: object) -> None:
+        """Make ``optimizer.zero_grad()`` zero the bucketed gradients in place instead of setting them to ``None``.
+
+        The ``.grad`` then stay views into the buckets from step to step, and backward accumulates into them in
+        place: no copy into the buckets, and no fresh gradient allocation per step. Gradients of parameters
+        outside the buckets keep the optimizer's own behaviour. ``aliases`` are wrappers that must behave the
+        same (Lightning's ``LightningOptimizer`` resolves ``zero_grad`` on its class, not on the wrapped object).
+
+        As with ``zero_grad(set_to_none=False)``, a bucketed parameter that gets no gradient in a step has a zero
+        gradient rather than ``None`` (optimizers with momentum or weight decay still move it), as with DDP's
+        ``gradient_as_bucket_view=True``.
+        """
+        original = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            self.zero_grad(optimizer, original, set_to_none)
+
+        for target in (optimizer, *aliases):
+            had_attribute = "zero_grad" in vars(target)
+            target.zero_grad = zero_grad  # type: ignore[method-assign]
+            self._patched.append((target, had_attribute))
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, original, set_to_none: bool = True) -> None:
+        """Zero ``optimizer``'s bucketed gradients in place (whole buffers where it owns a whole bucket)."""
+        buffers, views, others = self._zero_plan(optimizer)
+        for buffer in buffers:
+            buffer.zero_()
+        for view in views:
+            view.zero_()
+        for param in others:
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
+
+    def _zero_plan(self, optimizer: torch.optim.Optimizer):
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        key = (id(optimizer), count)
+        plan = self._zero_plans.get(key)
+        if plan is None:
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            buffers, views, bucketed = [], [], set()
+            for bucket in self.buckets:
+                mine = [id(p) in owned for p in bucket.params]
+                bucketed |= {id(p) for p in bucket.params}
+                if all(mine):
+                    buffers.append(bucket.buffer)
+                else:
+                    views += [view for view, m in zip(bucket.views, mine, strict=True) if m]
+            others = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in bucketed]
+            plan = self._zero_plans[key] = (buffers, views, others)
+        return plan
+
     # ------------------------------------------------------------------------------------------- lifetime
 
     def remove(self) -> None:
-        """Remove the hooks (the gradients stay where they are)."""
+        """Remove the hooks and give the optimizers their own ``zero_grad`` back (the gradients stay where they
+        are)."""
         self._remove_hooks()
+        for target, had_attribute in reversed(self._patched):
+            if not had_attribute and "zero_grad" in vars(target):
+                del target.zero_grad
+        self._patched = []
         self._armed = False
 
     def __repr__(self) -> str:

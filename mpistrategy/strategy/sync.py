@@ -78,7 +78,7 @@ def gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm) -> list[torch.Tens
     displacements = [sum(counts[:i]) for i in range(len(counts))]
     comm.Allgatherv(send, [mpi_buffer(flat)[0], counts, displacements, send[2]])
     flat = off_wire(flat, tensor.dtype, tensor.device)
-    return [flat[d : d + c].view(shape) for d, c, (shape, _) in zip(displacements, counts, shapes)]
+    return [flat[d : d + c].view(shape) for d, c, (shape, _) in zip(displacements, counts, shapes, strict=True)]
 
 
 def broadcast_object(obj: Any, src: int, comm: MPI.Intracomm) -> Any:

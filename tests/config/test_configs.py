@@ -55,9 +55,21 @@ def test_every_experiment_composes_and_instantiates(experiment: str, tmp_path: P
 
 @pytest.mark.parametrize(
     "group, option",
-    [("model", "cnn"), ("model", "big_mlp"), ("optimizer", "adam"), ("optimizer", "adamw"), ("scheduler", "step"),
-     ("strategy", "auto"), ("strategy", "mpi_ad_one_bucket"), ("data", "synthetic"), ("callbacks", "early_stopping"),
-     ("callbacks", "none"), ("logger", "none"), ("trainer", "debug"), ("trainer", "gpu")],
+    [
+        ("model", "cnn"),
+        ("model", "big_mlp"),
+        ("optimizer", "adam"),
+        ("optimizer", "adamw"),
+        ("scheduler", "step"),
+        ("strategy", "auto"),
+        ("strategy", "mpi_ad_one_bucket"),
+        ("data", "synthetic"),
+        ("callbacks", "early_stopping"),
+        ("callbacks", "none"),
+        ("logger", "none"),
+        ("trainer", "debug"),
+        ("trainer", "gpu"),
+    ],
 )
 def test_every_group_option_composes(group: str, option: str, tmp_path: Path) -> None:
     cfg = _compose([f"{group}={option}"], tmp_path)
@@ -119,8 +131,11 @@ def test_a_wrong_type_fails_naming_the_key(override: str, named: str) -> None:
 
 @pytest.mark.parametrize(
     "override, choices",
-    [("model=mlpp", ["mlp", "cnn", "tp_mlp", "pipeline_mlp"]), ("experiment=digits", ["digits_mlp", "digits_cnn"]),
-     ("strategy=mpi", ["mpi_ad", "mpi_ad_model_parallel", "auto"])],
+    [
+        ("model=mlpp", ["mlp", "cnn", "tp_mlp", "pipeline_mlp"]),
+        ("experiment=digits", ["digits_mlp", "digits_cnn"]),
+        ("strategy=mpi", ["mpi_ad", "mpi_ad_model_parallel", "auto"]),
+    ],
 )
 def test_an_unknown_option_lists_the_choices(override: str, choices: list[str]) -> None:
     with pytest.raises(Exception) as info:

@@ -12,7 +12,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import mpistrategy  # noqa: F401  (registers "mpi_ad")
-from mpistrategy.strategy.mpi_ad import MPIADStrategy
 
 COMM = MPI.COMM_WORLD
 RANK = COMM.Get_rank()
@@ -142,4 +141,3 @@ class IndexDataset(Dataset):
 
 def loader(dataset: Dataset, batch_size: int, **kwargs: Any) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, **kwargs)
-

@@ -34,7 +34,14 @@ def test_matches_single_process_large_batch(accumulate: int, clip: float | None)
     assert fit.global_step == STEPS
 
     reference = reference_sgd(
-        mlp(seed=1), epoch_order(data), SIZE * PER_RANK_BATCH, STEPS, lr=0.2, momentum=0.9, accumulate=accumulate, clip=clip
+        mlp(seed=1),
+        epoch_order(data),
+        SIZE * PER_RANK_BATCH,
+        STEPS,
+        lr=0.2,
+        momentum=0.9,
+        accumulate=accumulate,
+        clip=clip,
     )
     got, want = flat_parameters(model), flat_parameters(reference)
     assert not torch.equal(want, flat_parameters(mlp(seed=1))), "the reference did not train"

@@ -1,0 +1,252 @@
+"""The mpi_ad Lightning strategy against Lightning's DDP (gloo) and a hand-written mpi4py loop, in one run.
+
+    python benchmarks/strategy.py                 # relaunches itself under mpiexec -n 2
+    mpiexec -n 2 python benchmarks/strategy.py [--steps 60] [--rounds 5] [--quick]
+
+Same model (MLP 784-1024-1024-10, float32), same synthetic data (batch 64 per rank, DataLoader with a
+DistributedSampler), same optimizer (SGD, momentum 0.9), same number of steps and the same torch threads per rank
+for every contender:
+
+- ``mpi_ad``: ``Trainer(strategy="mpi_ad")``;
+- ``ddp``: ``Trainer(strategy=DDPStrategy(process_group_backend="gloo"))`` in the same MPI job, with the
+  LightningEnvironment variables (MASTER_ADDR/PORT, LOCAL_RANK, NODE_RANK, WORLD_SIZE) set by this script;
+- ``hand``: a plain loop: backward, one in-place allreduce of one flat gradient buffer that the ``.grad`` are
+  views of (zeroed in place), step. ``hand_cat`` is the common variant that flattens with ``torch.cat`` and copies
+  the result back.
+
+Trainer runs are timed by a callback (time between consecutive ``on_train_batch_start``, i.e. the full step
+including data loading and every Lightning hook); the loops time whole iterations the same way. The contenders
+run in interleaved rounds (to share the machine's background noise), the first ``--warmup`` steps of every round
+are dropped, and the median per-step time over all rounds is reported. Writes benchmarks/results/strategy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _launch import ensure_mpi, save  # noqa: E402
+
+TARGET_VS_DDP = 0.8
+TARGET_VS_HAND = 1.05
+BATCH = 64
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60, help="steps per round and contender")
+    parser.add_argument("--warmup", type=int, default=10, help="steps dropped at the start of every round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 30 steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds = 30, 2
+    ensure_mpi(2)
+
+    import torch
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    threads = max(1, len(os.sched_getaffinity(0)) // size)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    _lightning_environment(comm)
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+    contenders = {"mpi_ad": _trainer_run("mpi_ad"), "ddp": _trainer_run("ddp"), "hand": _hand_run(False)}
+    contenders["hand_cat"] = _hand_run(True)
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name, run in contenders.items():
+            comm.Barrier()
+            times = run(args.steps)
+            samples[name] += times[args.warmup :]
+    medians = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+    medians = comm.bcast(medians, root=0)
+    if rank != 0:
+        return
+
+    ratio_ddp = medians["mpi_ad"] / medians["ddp"]
+    ratio_hand = medians["mpi_ad"] / medians["hand"]
+    print(f"\nmpi_ad strategy benchmark: {size} ranks, {threads} torch thread(s) per rank, MLP 784-1024-1024-10,")
+    print(f"batch {BATCH} per rank, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up)\n")
+    print(f"{'contender':<10} {'median ms/step':>15} {'vs ddp':>8} {'vs hand':>8}")
+    for name, value in medians.items():
+        print(f"{name:<10} {value:>15.2f} {value / medians['ddp']:>8.2f} {value / medians['hand']:>8.2f}")
+    print(
+        f"\nmpi_ad / ddp  = {ratio_ddp:.2f}  (target <= {TARGET_VS_DDP}: {'met' if ratio_ddp <= TARGET_VS_DDP else 'MISSED'})"
+    )
+    print(
+        f"mpi_ad / hand = {ratio_hand:.2f}  (target <= {TARGET_VS_HAND}: "
+        f"{'met' if ratio_hand <= TARGET_VS_HAND else 'MISSED'})"
+    )
+    path = save(
+        "strategy",
+        {
+            "ranks": size,
+            "threads_per_rank": threads,
+            "batch_per_rank": BATCH,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "median_ms_per_step": medians,
+            "mpi_ad_vs_ddp": ratio_ddp,
+            "mpi_ad_vs_hand": ratio_hand,
+            "targets": {"vs_ddp": TARGET_VS_DDP, "vs_hand": TARGET_VS_HAND},
+        },
+    )
+    print(f"wrote {path}")
+
+
+def _lightning_environment(comm) -> None:
+    """The variables Lightning's LightningEnvironment reads, so its DDP joins this MPI job's processes."""
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(comm.bcast(port, root=0)),
+        LOCAL_RANK=str(comm.rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(comm.size),
+    )
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def _dataset(steps: int, size: int):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    samples = BATCH * size * steps
+    return TensorDataset(torch.randn(samples, 784, generator=g), torch.randint(0, 10, (samples,), generator=g))
+
+
+def _trainer_run(kind: str):
+    import lightning.pytorch as L
+    import torch
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+    from mpi4py import MPI
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    import mpistrategy  # noqa: F401  (registers "mpi_ad")
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *args) -> None:
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, *args) -> None:
+            self.starts.append(time.perf_counter())
+
+    size = MPI.COMM_WORLD.Get_size()
+
+    def run(steps: int) -> list[float]:
+        timer = StepTimer()
+        options = dict(
+            accelerator="cpu",
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            callbacks=[timer],
+        )
+        if kind == "ddp":
+            strategy = DDPStrategy(process_group_backend="gloo")
+            trainer = L.Trainer(strategy=strategy, devices=size, num_nodes=1, plugins=[LightningEnvironment()], **options)
+        else:
+            trainer = L.Trainer(strategy=kind, **options)
+        trainer.fit(Classifier(), DataLoader(_dataset(steps, size), batch_size=BATCH))
+        return [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
+
+    return run
+
+
+def _hand_run(concatenate: bool):
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    comm = MPI.COMM_WORLD
+
+    def run(steps: int) -> list[float]:
+        model = _model()
+        with torch.no_grad():
+            for p in model.parameters():  # as the strategies do: start from rank 0's parameters
+                comm.Bcast(p.detach().numpy(), root=0)
+        params = list(model.parameters())
+        optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        flat = torch.zeros(sum(p.numel() for p in params))
+        if not concatenate:
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        data = _dataset(steps, comm.size)
+        sampler = DistributedSampler(data, num_replicas=comm.size, rank=comm.rank, shuffle=True, seed=0)
+        starts = []
+        for x, y in DataLoader(data, batch_size=BATCH, sampler=sampler):
+            starts.append(time.perf_counter())
+            if concatenate:
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                flat.zero_()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if concatenate:
+                grads = torch.cat([p.grad.reshape(-1) for p in params])
+                comm.Allreduce(MPI.IN_PLACE, grads.numpy(), op=MPI.SUM)
+                grads.div_(comm.size)
+                offset = 0
+                for p in params:
+                    p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            else:
+                comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+                flat.div_(comm.size)
+            optimizer.step()
+        starts.append(time.perf_counter())
+        return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+    return run
+
+
+if __name__ == "__main__":
+    main()

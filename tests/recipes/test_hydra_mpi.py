@@ -1,0 +1,90 @@
+"""Hydra under mpiexec: one run directory decided by rank 0, one writer, sweeps in lockstep."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.recipes._cli import mpiexec, run, train_command
+
+FAST = ["experiment=debug", "trainer.max_epochs=2", "trainer.limit_val_batches=1"]
+
+
+def test_a_two_rank_run_writes_one_run_dir_with_one_config_copy_and_one_set_of_logs(tmp_path: Path) -> None:
+    # Rank 1 starts 1.5 s after rank 0: left alone, Hydra would give it another timestamped run dir.
+    train = train_command()
+    command = [
+        *mpiexec(), "-n", "1", *train, *FAST, ":",
+        "-n", "1", "sh", "-c", 'sleep 1.5; exec "$@"', "sh", *train, *FAST,
+    ]  # fmt: skip
+    result = run(command, cwd=tmp_path, timeout=300, MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"))
+
+    runs = list((tmp_path / "logs" / "debug" / "runs").iterdir())
+    assert len(runs) == 1, runs
+    run_dir = runs[0]
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert [p.name for p in run_dir.glob("*.log")] == ["train.log"]
+    assert sorted(p.name for p in (run_dir / "csv").iterdir()) == ["hparams.yaml", "metrics.csv"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch001.ckpt", "last.ckpt"]
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "MPIADStrategy"
+    log_text = (run_dir / "train.log").read_text()
+    assert "rank 0 of 2" in log_text and "rank 1 of 2" not in log_text
+    # Nothing anywhere else: no second run dir, no ./outputs, no lightning_logs.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+    assert result.stdout.count("Run summary") == 1
+
+
+def test_a_three_point_sweep_under_mpiexec_gives_three_results_and_a_comparison_plot(tmp_path: Path) -> None:
+    result = run(
+        [*mpiexec(), "-n", "2", *train_command(), "-m", "model.hidden=16,32,64", *FAST],
+        cwd=tmp_path,
+        timeout=420,
+        MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"),
+        MPISTRATEGY_RANK_LOGS="1",
+    )
+    sweeps = list((tmp_path / "logs" / "debug" / "multiruns").iterdir())
+    assert len(sweeps) == 1, sweeps
+    sweep = sweeps[0]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1", "2"]
+    for job, hidden in zip(jobs, (16, 32, 64), strict=True):
+        summary = json.loads((job / "summary.json").read_text())
+        assert f"model.hidden={hidden}" in summary["overrides"]
+        assert (job / ".hydra" / "config.yaml").is_file()
+        assert (job / "csv" / "metrics.csv").is_file()
+        # Per-rank logs (MPISTRATEGY_RANK_LOGS=1) are named by rank: rank 1 ran this same point in this same dir.
+        assert sorted(p.name for p in job.glob("*.log")) == ["train.log", "train.rank1.log"]
+        assert f"rank 1 of 2: debug model.hidden={hidden} " in (job / "train.rank1.log").read_text()
+    assert [p.name for p in sweep.glob("*.yaml")] == ["multirun.yaml"]
+    assert (sweep / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with (sweep / "comparison.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["job"] for row in rows] == ["0", "1", "2"]
+    assert all(row["objective"] == "val/acc" and float(row["final"]) >= 0 for row in rows)
+    assert result.stdout.count("Launching 3 jobs locally") == 1  # Hydra's own messages: rank 0 only
+
+
+@pytest.mark.parametrize("ranks", [2])
+def test_the_main_job_reaches_95_percent_in_under_two_minutes(tmp_path: Path, ranks: int) -> None:
+    """The default job (no arguments) on 2 ranks: digits MLP, mpi_ad, >= 95 % validation accuracy, < 2 min."""
+    import time
+
+    start = time.monotonic()
+    run(
+        [*mpiexec(), "-n", str(ranks), *train_command(), "callbacks.progress_bar.refresh_rate=0"],
+        cwd=tmp_path,
+        timeout=300,
+        MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"),
+    )
+    seconds = time.monotonic() - start
+    (run_dir,) = (tmp_path / "logs" / "train" / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(f"main job: {seconds:.1f} s wall, fit {summary['fit_seconds']} s, val/acc {summary['final']['val/acc']:.4f}")
+    assert summary["final"]["val/acc"] >= 0.95, summary
+    assert summary["world_size"] == ranks
+    assert seconds < 120, f"the main job took {seconds:.0f} s"

@@ -1,0 +1,70 @@
+"""Submitting and waiting for SLURM jobs from tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.recipes._cli import clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATES = ROOT / "slurm"
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
+
+
+def job_env(log_dir: Path, **extra: str) -> dict[str, str]:
+    """The submitting environment (sbatch exports it to the job): this venv first on PATH, one thread per rank."""
+    env = clean_env(MPISTRATEGY_LOG_DIR=str(log_dir), PYTHON=sys.executable, **extra)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def sbatch(script: Path, *args: str, cwd: Path, env: dict[str, str]) -> str:
+    result = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={cwd}", *args, str(script)],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, f"sbatch {script.name} failed: {result.stderr}"
+    return result.stdout.strip().split(";")[0]
+
+
+def job_info(job: str) -> dict[str, str]:
+    result = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        return {}
+    return dict(re.findall(r"(\w+)=(\S*)", result.stdout))
+
+
+def state(job: str) -> str:
+    return job_info(job).get("JobState", "UNKNOWN")
+
+
+def wait_for(job: str, timeout: float, states: set[str] = FINISHED, poll: float = 2.0) -> str:
+    """Wait until ``job`` is in one of ``states``; returns the state."""
+    deadline = time.monotonic() + timeout
+    last = "UNKNOWN"
+    while time.monotonic() < deadline:
+        last = state(job)
+        if last in states:
+            return last
+        time.sleep(poll)
+    subprocess.run(["scancel", job], timeout=30)
+    raise AssertionError(f"job {job} still {last} after {timeout:.0f} s (cancelled)")
+
+
+def output_of(cwd: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-6000:]}" for p in sorted(cwd.glob("slurm-*.out")))

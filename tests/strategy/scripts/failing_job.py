@@ -1,0 +1,81 @@
+"""A small training job that misbehaves on purpose, for tests/strategy/test_failures.py.
+
+Usage: mpiexec -n 3 python failing_job.py MODE DIRECTORY
+
+MODE: raise (rank 1 raises in training_step), kill (rank 1 SIGKILLs itself), raise_outside (rank 1 raises after
+fit while the others wait in a barrier), usr1 (rank 1 sends itself SIGUSR1), pids (every rank writes its pid to
+DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue from the stop checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import lightning.pytorch as L
+import torch
+from mpi4py import MPI
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mpistrategy  # noqa: F401
+
+MODE, DIRECTORY = sys.argv[1], sys.argv[2]
+RANK = MPI.COMM_WORLD.Get_rank()
+TRIGGER_BATCH = 3
+
+
+def mark(what: str) -> None:
+    print(f"{what} rank={RANK} time={time.time():.3f}", flush=True)
+
+
+class Job(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        if RANK == 1 and batch_idx == TRIGGER_BATCH and self.current_epoch == 0:
+            if MODE == "raise":
+                mark("FAILING")
+                raise RuntimeError(f"boom from rank {RANK} at batch {batch_idx}")
+            if MODE == "kill":
+                mark("FAILING")
+                os.kill(os.getpid(), signal.SIGKILL)
+            if MODE == "usr1":
+                mark("SIGNALLING")
+                os.kill(os.getpid(), signal.SIGUSR1)
+        if MODE == "pids" and batch_idx == TRIGGER_BATCH and self.current_epoch == 0:
+            with open(os.path.join(DIRECTORY, f"pid{RANK}"), "w") as f:
+                f.write(str(os.getpid()))
+        if MODE in ("pids", "usr1"):
+            time.sleep(0.02)
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+data = TensorDataset(torch.randn(3 * 8 * 50, 4))
+trainer = L.Trainer(
+    strategy="mpi_ad",
+    accelerator="cpu",
+    max_steps={"resume": 30, "raise_outside": 5}.get(MODE, 100_000),
+    max_epochs=-1,
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+    default_root_dir=DIRECTORY,
+)
+try:
+    trainer.fit(Job(), DataLoader(data, batch_size=8), ckpt_path="hpc" if MODE == "resume" else None)
+finally:
+    print(f"STOPPED rank={RANK} global_step={trainer.global_step}", flush=True)
+if MODE == "raise_outside":
+    if RANK == 1:
+        mark("FAILING")
+        raise ValueError("outside the trainer on rank 1")
+    MPI.COMM_WORLD.Barrier()

@@ -1,0 +1,135 @@
+"""Failures end every rank quickly with a non-zero exit code and the original traceback; stop signals stop every
+rank at the same step after saving a checkpoint. Each test runs its own ``mpiexec -n 3`` job (not under the
+multi-rank harness)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.mpi_harness import clean_environ
+
+SCRIPT = Path(__file__).parent / "scripts" / "failing_job.py"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+RANKS = 3
+LIMIT = 30.0  # seconds from the failure to the end of the job
+STARTUP = 240.0  # generous: three ranks import torch and Lightning on a loaded 2-core machine
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("MPISTRATEGY_TEST_NRANKS") is not None or "PMI_RANK" in os.environ,
+    reason="launches its own mpiexec; run from the plain (outer) pytest",
+)
+
+
+def _start(mode: str, directory: str) -> subprocess.Popen:
+    env = clean_environ()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    command = [str(MPIEXEC), "-n", str(RANKS), sys.executable, str(SCRIPT), mode, directory]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _finish(process: subprocess.Popen, timeout: float = STARTUP) -> tuple[int, str, float]:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"the job hung (killed after {timeout} s):\n{output[-4000:]}")
+    return process.returncode, output, time.time()
+
+
+def _run(mode: str, directory: str) -> tuple[int, str, float]:
+    return _finish(_start(mode, directory))
+
+
+def _failed_at(output: str) -> float:
+    found = re.search(r"FAILING rank=\d+ time=([0-9.]+)", output)
+    assert found, f"the job never reached the failure point:\n{output[-4000:]}"
+    return float(found.group(1))
+
+
+def test_rank_raising_mid_epoch_ends_all_ranks() -> None:
+    code, output, ended = _run("raise", tempfile.mkdtemp())
+    assert code != 0
+    assert ended - _failed_at(output) < LIMIT
+    assert "RuntimeError: boom from rank 1 at batch 3" in output
+    assert "in training_step" in output and "[mpistrategy] rank 1 of 3" in output
+
+
+def test_rank_killed_mid_epoch_ends_all_ranks() -> None:
+    code, output, ended = _run("kill", tempfile.mkdtemp())
+    assert code != 0
+    assert ended - _failed_at(output) < LIMIT
+    assert "STOPPED" not in output
+
+
+def test_exception_outside_the_trainer_ends_all_ranks() -> None:
+    code, output, ended = _run("raise_outside", tempfile.mkdtemp())
+    assert code != 0
+    assert ended - _failed_at(output) < LIMIT
+    assert "ValueError: outside the trainer on rank 1" in output
+
+
+def _stopped_steps(output: str) -> dict[int, int]:
+    return {int(r): int(s) for r, s in re.findall(r"STOPPED rank=(\d+) global_step=(\d+)", output)}
+
+
+def test_sigusr1_on_one_rank_stops_all_at_the_same_step_with_a_checkpoint() -> None:
+    directory = tempfile.mkdtemp()
+    code, output, _ = _run("usr1", directory)
+    assert code == 0, output[-4000:]
+    steps = _stopped_steps(output)
+    assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]
+    step = steps[0]
+    # The signal arrives during batch 3 (step 4); the flags posted at the end of step 4 are read at the end of
+    # step 5, where every rank stops.
+    assert step == 5
+    checkpoint = Path(directory) / "hpc_ckpt_1.ckpt"
+    assert checkpoint.exists()
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == step
+    code, output, _ = _run("resume", directory)
+    assert code == 0, output[-4000:]
+    assert set(_stopped_steps(output).values()) == {30}
+
+
+def test_sigterm_from_outside_to_one_rank_stops_all_at_the_same_step() -> None:
+    directory = tempfile.mkdtemp()
+    process = _start("pids", directory)
+    target = Path(directory) / "pid2"
+    deadline = time.time() + STARTUP
+    while not target.exists() or not target.read_text():
+        assert process.poll() is None and time.time() < deadline, "the job ended or never started training"
+        time.sleep(0.2)
+    os.kill(int(target.read_text()), signal.SIGTERM)
+    code, output, _ = _finish(process)
+    assert code == 0, output[-4000:]
+    steps = _stopped_steps(output)
+    assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]
+    assert (Path(directory) / "hpc_ckpt_1.ckpt").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_signal_to_mpiexec_stops_all_ranks(signum: signal.Signals) -> None:
+    """MPICH's mpiexec forwards SIGUSR1 and SIGTERM to every rank; they stop together."""
+    directory = tempfile.mkdtemp()
+    process = _start("pids", directory)
+    deadline = time.time() + STARTUP
+    while not all((Path(directory) / f"pid{r}").exists() for r in range(RANKS)):
+        assert process.poll() is None and time.time() < deadline, "the job ended or never started training"
+        time.sleep(0.2)
+    time.sleep(0.5)
+    process.send_signal(signum)
+    code, output, _ = _finish(process)
+    assert code == 0, output[-4000:]
+    steps = _stopped_steps(output)
+    assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]
+    assert (Path(directory) / "hpc_ckpt_1.ckpt").exists()
