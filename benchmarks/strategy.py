@@ -5,7 +5,7 @@
 
 Same model (MLP 784-1024-1024-10, float32), same synthetic data (batch 64 per rank, DataLoader with a
 DistributedSampler), same optimizer (SGD, momentum 0.9), same number of steps and the same torch threads per rank
-for every contender:
+(``cpu_count // 2``) for every contender:
 
 - ``mpi_ad``: ``Trainer(strategy="mpi_ad")``;
 - ``ddp``: ``Trainer(strategy=DDPStrategy(process_group_backend="gloo"))`` in the same MPI job, with the
@@ -16,8 +16,9 @@ for every contender:
 
 Trainer runs are timed by a callback (time between consecutive ``on_train_batch_start``, i.e. the full step
 including data loading and every Lightning hook); the loops time whole iterations the same way. The contenders
-run in interleaved rounds (to share the machine's background noise), the first ``--warmup`` steps of every round
-are dropped, and the median per-step time over all rounds is reported. Writes benchmarks/results/strategy.json.
+run in interleaved rounds, so that background load hits them alike; each round's first ``--warmup`` steps are
+dropped and its median step time kept. Reported: per contender the median over rounds (and the range), and each
+ratio as the median over rounds of the per-round ratio (and its range). Writes benchmarks/results/strategy.json.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ BATCH = 64
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="steps per round and contender")
-    parser.add_argument("--warmup", type=int, default=10, help="steps dropped at the start of every round")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 30 steps")
+    parser.add_argument("--steps", type=int, default=30, help="steps per round and contender")
+    parser.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of every round")
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 20 steps")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.rounds = 30, 2
+        args.steps, args.rounds = 20, 3
     ensure_mpi(2)
 
     import torch
@@ -63,33 +64,39 @@ def main() -> None:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
-    contenders = {"mpi_ad": _trainer_run("mpi_ad"), "ddp": _trainer_run("ddp"), "hand": _hand_run(False)}
-    contenders["hand_cat"] = _hand_run(True)
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    contenders = {
+        "mpi_ad": _trainer_run("mpi_ad"),
+        "ddp": _trainer_run("ddp"),
+        "hand": _hand_run(False),
+        "hand_cat": _hand_run(True),
+    }
+    rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):
+        medians_of_round = {}
         for name, run in contenders.items():
             comm.Barrier()
-            times = run(args.steps)
-            samples[name] += times[args.warmup :]
-    medians = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
-    medians = comm.bcast(medians, root=0)
+            medians_of_round[name] = statistics.median(run(args.steps)[args.warmup :]) * 1e3
+        rounds.append(medians_of_round)
+    rounds = comm.bcast(rounds, root=0)
     if rank != 0:
         return
 
-    ratio_ddp = medians["mpi_ad"] / medians["ddp"]
-    ratio_hand = medians["mpi_ad"] / medians["hand"]
+    medians = {name: statistics.median(r[name] for r in rounds) for name in contenders}
+    ratio_ddp = _paired(rounds, "mpi_ad", "ddp")
+    ratio_hand = _paired(rounds, "mpi_ad", "hand")
     print(f"\nmpi_ad strategy benchmark: {size} ranks, {threads} torch thread(s) per rank, MLP 784-1024-1024-10,")
     print(f"batch {BATCH} per rank, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up)\n")
-    print(f"{'contender':<10} {'median ms/step':>15} {'vs ddp':>8} {'vs hand':>8}")
+    print(f"{'contender':<10} {'median ms/step':>15} {'range over rounds':>20}")
     for name, value in medians.items():
-        print(f"{name:<10} {value:>15.2f} {value / medians['ddp']:>8.2f} {value / medians['hand']:>8.2f}")
-    print(
-        f"\nmpi_ad / ddp  = {ratio_ddp:.2f}  (target <= {TARGET_VS_DDP}: {'met' if ratio_ddp <= TARGET_VS_DDP else 'MISSED'})"
-    )
-    print(
-        f"mpi_ad / hand = {ratio_hand:.2f}  (target <= {TARGET_VS_HAND}: "
-        f"{'met' if ratio_hand <= TARGET_VS_HAND else 'MISSED'})"
-    )
+        low, high = min(r[name] for r in rounds), max(r[name] for r in rounds)
+        print(f"{name:<10} {value:>15.2f} {low:>11.2f} - {high:<7.2f}")
+    print("\nratios: median over rounds of the per-round ratio (min - max)")
+    for label, (ratio, low, high), target in (
+        ("mpi_ad / ddp ", ratio_ddp, TARGET_VS_DDP),
+        ("mpi_ad / hand", ratio_hand, TARGET_VS_HAND),
+    ):
+        verdict = "met" if ratio <= target else "MISSED"
+        print(f"{label} = {ratio:.2f}  ({low:.2f} - {high:.2f})   target <= {target}: {verdict}")
     path = save(
         "strategy",
         {
@@ -98,14 +105,20 @@ def main() -> None:
             "batch_per_rank": BATCH,
             "steps": args.steps,
             "warmup": args.warmup,
-            "rounds": args.rounds,
+            "rounds": rounds,
             "median_ms_per_step": medians,
-            "mpi_ad_vs_ddp": ratio_ddp,
-            "mpi_ad_vs_hand": ratio_hand,
+            "mpi_ad_vs_ddp": ratio_ddp[0],
+            "mpi_ad_vs_hand": ratio_hand[0],
             "targets": {"vs_ddp": TARGET_VS_DDP, "vs_hand": TARGET_VS_HAND},
         },
     )
     print(f"wrote {path}")
+
+
+def _paired(rounds: list[dict[str, float]], name: str, reference: str) -> tuple[float, float, float]:
+    """Median, min and max over rounds of ``name``'s time divided by ``reference``'s in the same round."""
+    ratios = [r[name] / r[reference] for r in rounds]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def _lightning_environment(comm) -> None:
@@ -190,7 +203,9 @@ def _trainer_run(kind: str):
         )
         if kind == "ddp":
             strategy = DDPStrategy(process_group_backend="gloo")
-            trainer = L.Trainer(strategy=strategy, devices=size, num_nodes=1, plugins=[LightningEnvironment()], **options)
+            trainer = L.Trainer(
+                strategy=strategy, devices=size, num_nodes=1, plugins=[LightningEnvironment()], **options
+            )
         else:
             trainer = L.Trainer(strategy=kind, **options)
         trainer.fit(Classifier(), DataLoader(_dataset(steps, size), batch_size=BATCH))

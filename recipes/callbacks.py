@@ -80,8 +80,9 @@ class Preemption(Callback):
     With ``strategy=mpi_ad`` the strategy already turns SIGUSR1/SIGTERM into a coordinated stop (a checkpoint
     ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, then every rank raises the same stop exception); this callback
     then only decides, on every rank together, whether the signal was ``signal`` (not an ``scancel``'s SIGTERM) and
-    has rank 0 run ``scontrol requeue``. With another strategy it does all of it itself: its own handler, a
-    max-reduction of the flags at each step boundary, the same ``hpc_ckpt_<n>.ckpt``, ``trainer.should_stop``.
+    has rank 0 request the requeue. With another strategy it does all of it itself: its own handler, a
+    max-reduction of the flags at each step boundary, the same ``hpc_ckpt_<n>.ckpt``, then the same stop exception
+    on every rank (``recipes.train`` treats it as a clean stop).
 
     Args:
         signal: the signal SLURM sends before the limit (``#SBATCH --signal=USR1@<seconds>``).
@@ -154,17 +155,23 @@ class Preemption(Callback):
             self.checkpoint,
         )
         trainer.save_checkpoint(self.checkpoint)
-        trainer.should_stop = True
         if self.requeue and trainer.is_global_zero:
             self.requeued = requeue_slurm_job()
+        # Stop now, on every rank (they decided together), as mpi_ad does: no further validation or checkpoint
+        # after this one, so the run resumes exactly here.
+        raise _coordinated_stop_exception()
+
+
+def _coordinated_stop_exception() -> BaseException:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    error = SIGTERMException()
+    error._mpistrategy_coordinated_stop = True  # type: ignore[attr-defined]  (mpistrategy.strategy.failures)
+    return error
 
 
 def _is_coordinated_stop(exception: BaseException) -> bool:
-    try:
-        from mpistrategy.strategy.failures import is_coordinated_stop
-    except ImportError:
-        return False
-    return is_coordinated_stop(exception)
+    return bool(getattr(exception, "_mpistrategy_coordinated_stop", False))
 
 
 def _latest_hpc_checkpoint(folder: str | os.PathLike) -> str | None:

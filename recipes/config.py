@@ -210,7 +210,7 @@ class SyntheticDataConf:
 
 @dataclass
 class CSVLoggerConf:
-    _target_: str = "lightning.pytorch.loggers.CSVLogger"
+    _target_: str = "recipes.loggers.ResumableCSVLogger"
     save_dir: str = "${paths.output_dir}"
     name: str = "csv"
     version: str = ""

@@ -114,7 +114,7 @@ class DigitsDataModule(_TensorDataModule):
 
 
 class SyntheticDataModule(_TensorDataModule):
-    """Gaussian inputs labelled by a fixed random linear teacher (learnable, any size, nothing on disk)."""
+    """A Gaussian mixture: one random centre per class plus unit noise (learnable, any size, nothing on disk)."""
 
     def __init__(
         self,
@@ -135,9 +135,10 @@ class SyntheticDataModule(_TensorDataModule):
         if self.train_set is not None:
             return
         generator = torch.Generator().manual_seed(self.seed)
-        teacher = torch.randn(self.in_features, self.num_classes, generator=generator)
+        # Centres about 3 noise standard deviations apart whatever the dimension.
+        centres = torch.randn(self.num_classes, self.in_features, generator=generator) * (2.0 / self.in_features**0.5)
         total = self.num_samples + self.num_val_samples
-        x = torch.randn(total, self.in_features, generator=generator)
-        y = (x @ teacher).argmax(dim=1)
+        y = torch.randint(self.num_classes, (total,), generator=generator)
+        x = centres[y] + torch.randn(total, self.in_features, generator=generator) / self.in_features**0.25
         self.train_set = TensorDataset(x[: self.num_samples], y[: self.num_samples])
         self.val_set = TensorDataset(x[self.num_samples :], y[self.num_samples :])

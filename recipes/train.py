@@ -97,6 +97,8 @@ def _quiet_known_warnings() -> None:
     # launches (mpiexec inside an allocation is one of the supported ways).
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
+    # recipes.loggers.ResumableCSVLogger keeps metrics.csv although Lightning announces it will delete it.
+    warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
 
 
 def _set_torch_threads(threads: int | None) -> None:
@@ -172,16 +174,6 @@ def train(cfg: DictConfig) -> float | None:
         raise
 
     trainer = run.trainer
-    preemption = run.callbacks.get("preemption")
-    if preemption is not None and getattr(preemption, "preempted", False):
-        log.warning(
-            "stopped for preemption at step %d (%s); the requeued job resumes from %s",
-            trainer.global_step,
-            "requeued" if getattr(preemption, "requeued", False) else "not requeued",
-            preemption.checkpoint,
-        )
-        return None
-
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     if trainer.is_global_zero and cfg.summary.enabled:
         timer = run.callbacks.get("fit_timer")
@@ -212,11 +204,9 @@ def train(cfg: DictConfig) -> float | None:
 
 
 def _coordinated_stop(exc: BaseException) -> bool:
-    """mpi_ad stopped every rank together (SIGTERM/SIGUSR1), after its checkpoint."""
-    try:
-        from mpistrategy.strategy.failures import is_coordinated_stop
-    except ImportError:
-        return False
+    """Every rank stopped together on a stop signal (mpi_ad, or the preemption callback), after a checkpoint."""
+    from mpistrategy.strategy.failures import is_coordinated_stop
+
     return is_coordinated_stop(exc)
 
 

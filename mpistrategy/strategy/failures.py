@@ -10,10 +10,10 @@ out-of-memory) is handled by the launcher itself, which tears the job down when 
 
 Coordinated stop. SIGTERM (preemption, ``scancel``) and SIGUSR1 (SLURM's ``--signal``, forwarded by MPICH's
 ``mpiexec``) may reach the ranks at different times, or only one of them. :class:`StopSignals` only records the
-signal; at the end of each training step that ended with an optimizer step, every rank contributes its flag to a
-max-allreduce, so all ranks decide together, at the same step, to save a checkpoint and stop. The allreduce is
-non-blocking and completed one step later, so the check adds no synchronisation point to the step (the stop comes
-one step after the signal).
+signal; before each training batch that follows an optimizer step (never inside a gradient accumulation), every
+rank contributes its flag to a max-allreduce, so all ranks decide together, at the same step, to save a checkpoint
+and stop. The allreduce is non-blocking and completed at the next check, so it adds no synchronisation point to
+the step (the stop comes one step after the signal).
 """
 
 from __future__ import annotations

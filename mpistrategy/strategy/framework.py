@@ -2,8 +2,8 @@
 
 The two packages are separate copies with distinct classes, and Lightning checks types with ``isinstance`` (a
 ``lightning.pytorch`` callback is ignored by a ``pytorch_lightning`` Trainer). The strategy's logic is written
-once; the few framework classes it needs (callback base, layer-sync plugin, exceptions, trainer states) are looked
-up here by package name, and the helper classes built on them are created once per package.
+once; the few framework classes it needs (layer-sync plugin, exceptions, trainer states, ...) are looked up here by
+package name, and the helper classes built on them are created once per package.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import importlib
 from types import SimpleNamespace
-from typing import Any
 
 from torch import nn
 
@@ -25,7 +24,6 @@ PYTORCH_LIGHTNING = "pytorch_lightning"
 def framework(name: str) -> SimpleNamespace:
     """Classes of the Lightning package ``name`` used by the strategy, plus helpers built on them."""
     fabric = "lightning.fabric" if name == LIGHTNING else "lightning_fabric"
-    callbacks = importlib.import_module(f"{name}.callbacks")
     layer_sync = importlib.import_module(f"{name}.plugins.layer_sync")
     states = importlib.import_module(f"{name}.trainer.states")
     exceptions = importlib.import_module(f"{name}.utilities.exceptions")
@@ -42,15 +40,6 @@ def framework(name: str) -> SimpleNamespace:
         def revert(self, model: nn.Module) -> nn.Module:
             return SyncBatchNorm.revert_sync_batchnorm(model)
 
-    class CoordinatedStop(callbacks.Callback):
-        """Checks for stop signals at the end of every training step that stepped the optimizer (all ranks)."""
-
-        def __init__(self, strategy: Any) -> None:
-            self._strategy = strategy
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self._strategy._check_stop(trainer)
-
     return SimpleNamespace(
         name=name,
         TrainerFn=states.TrainerFn,
@@ -60,5 +49,4 @@ def framework(name: str) -> SimpleNamespace:
         AsyncCheckpointIO=checkpoint_io.AsyncCheckpointIO,
         optimizers_to_device=optimizer_utils._optimizers_to_device,
         MPISyncBatchNorm=MPISyncBatchNorm,
-        CoordinatedStop=CoordinatedStop,
     )

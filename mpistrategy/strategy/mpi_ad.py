@@ -103,7 +103,7 @@ class MPIADStrategyMixin:
         self.set_num_threads = set_num_threads
         self._stop_signal_numbers = tuple(stop_signals)
         self._stop: failures.StopSignals | None = None
-        self._stop_callback: Any = None
+        self._checked_step = -1
         self._reducer: GradientReducer | None = None
         self._sync_gradients = True
         self._aggregator_state: dict[str, Any] | None = None
@@ -196,7 +196,6 @@ class MPIADStrategyMixin:
             if self._aggregator_state is not None:
                 self.aggregator.load_state_dict(self._aggregator_state)
                 self._aggregator_state = None
-            self._add_stop_callback(trainer)
         self.setup_precision_plugin()
         if fitting:
             fw.optimizers_to_device(self.optimizers, self.root_device)
@@ -325,20 +324,21 @@ class MPIADStrategyMixin:
             return
         failures.abort(exception)
 
-    def _add_stop_callback(self, trainer: Any) -> None:
-        if not self._stop_signal_numbers:
-            return
-        if self._stop_callback is None:
-            self._stop_callback = self._fw.CoordinatedStop(self)
-        if self._stop_callback not in trainer.callbacks:
-            trainer.callbacks.append(self._stop_callback)
-
     def on_train_start(self) -> None:
         self._attach_metric_sync()
         if self._stop_signal_numbers:
             if self._stop is None:
                 self._stop = failures.StopSignals(self._stop_signal_numbers, self.topology.control)
             self._stop.install()
+            self._checked_step = -1
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before each batch, after an optimizer step happened: the coordinated stop check (every rank)."""
+        if self._stop is not None and self.lightning_module is not None:
+            trainer = self.lightning_module.trainer
+            if trainer.global_step != self._checked_step:
+                self._checked_step = trainer.global_step
+                self._check_stop(trainer)
 
     def on_train_end(self) -> None:
         if self._stop is not None:
@@ -355,14 +355,12 @@ class MPIADStrategyMixin:
         self._attach_metric_sync()
 
     def _check_stop(self, trainer: Any) -> None:
-        """At the end of a training step, on every rank: stop together if any rank received a stop signal."""
-        if self._stop is None:
-            return
-        lightning_module = self.lightning_module
-        if lightning_module is not None and lightning_module.automatic_optimization:
-            should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
-            if should_accumulate is not None and should_accumulate():
-                return  # only stop where an optimizer step just happened (all ranks skip alike)
+        """Between two optimizer steps, on every rank: stop together if any rank received a stop signal.
+
+        Called before a batch when the global step moved since the last check (so never in the middle of a
+        gradient accumulation, and the same on every rank). The decision lags one check behind the signal.
+        """
+        assert self._stop is not None
         signum = self._stop.decide()
         if not signum:
             return

@@ -12,9 +12,10 @@ Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientRe
   ``.grad`` stay views and autograd accumulates into them in place. Whenever ``.grad`` is not the bucket view all
   the same (the first step, or ``zero_grad(set_to_none=True)`` called on the module), the
   ``register_post_accumulate_grad_hook`` copies it into the view once and re-points ``.grad``.
-- That hook also counts: when a bucket's last gradient lands, the bucket is handed to the :class:`~mpistrategy.aggregation.Aggregator`
-  (non-blocking). Buckets are started strictly in index order on every rank (a ready bucket waits for the ones
-  before it), because MPI matches collectives on a communicator by order.
+- That hook also counts: when a bucket's last gradient lands, the bucket is handed to the
+  :class:`~mpistrategy.aggregation.Aggregator` (non-blocking). Buckets are started strictly in index order on
+  every rank (a ready bucket waits for the ones before it), because MPI matches collectives on a communicator by
+  order.
 - :meth:`~GradientReducer.wait` (Lightning's ``post_backward``, before clipping and the optimizer step) starts
   the buckets that did not complete, for parameters this rank did not use in this pass, with their current
   gradient (zero if none) so that no rank waits for a bucket another rank never sends, then finishes every

@@ -176,3 +176,12 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPISTRATEGY_TEST_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+@pytest.mark.parametrize("launcher, partition", [("slurm", None), ("slurm_local", "debug")])
+def test_the_slurm_launchers_compose_for_submitit(launcher: str, partition: str | None) -> None:
+    cfg = _compose([f"hydra/launcher={launcher}"], hydra=True)
+    node = cfg.hydra.launcher
+    assert node._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert node.partition == partition and node.tasks_per_node == 2
+    assert "export SLURM_MPI_TYPE=pmi2" in node.setup  # srun gives the ranks an MPI world (MPICH)

@@ -90,8 +90,8 @@ def test_sigusr1_on_one_rank_stops_all_at_the_same_step_with_a_checkpoint() -> N
     steps = _stopped_steps(output)
     assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]
     step = steps[0]
-    # The signal arrives during batch 3 (step 4); the flags posted at the end of step 4 are read at the end of
-    # step 5, where every rank stops.
+    # The signal arrives during batch 3 (the 4th optimizer step); the flags posted before the 5th step are read
+    # before the 6th, where every rank stops with global_step 5.
     assert step == 5
     checkpoint = Path(directory) / "hpc_ckpt_1.ckpt"
     assert checkpoint.exists()

@@ -332,3 +332,46 @@ def _quiet() -> dict[str, Any]:
     from tests.strategy.helpers import QUIET
 
     return dict(QUIET)
+
+
+class _Validated(Regressor):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", loss + RANK * 1e-3, sync_dist=True)  # differs per rank unless synced
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=90)
+def test_validation_during_fit_with_checkpoint_and_early_stopping() -> None:
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from tests.strategy.helpers import shared_tmpdir
+
+    directory = shared_tmpdir()
+    data = regression_data(SIZE * 4 * 4)
+    checkpoint = ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=1)
+    stopping = EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0)  # stops after 2 epochs
+    fit = trainer(
+        max_epochs=5,
+        num_sanity_val_steps=2,
+        callbacks=[checkpoint, stopping],
+        enable_checkpointing=True,
+    )
+    model = _Validated(mlp(seed=6), lr=0.1)
+    fit.fit(model, loader(data, 4), loader(data, 4))
+    assert fit.current_epoch == 2, "early stopping did not act on every rank alike"
+    paths = COMM.allgather(checkpoint.best_model_path)
+    assert len(set(paths)) == 1 and paths[0].startswith(directory)
+    scores = COMM.allgather(float(checkpoint.best_model_score))
+    assert len(set(scores)) == 1
+    assert_same_on_all_ranks(flat_parameters(model), "parameters")
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=60)
+def test_bf16_true_precision_trains_in_sync() -> None:
+    data = regression_data(SIZE * 8 * 2)
+    model = Regressor(mlp(seed=3).float(), lr=0.1)
+    fit = trainer(max_steps=2, precision="bf16-true")
+    fit.fit(model, loader(torch.utils.data.TensorDataset(*(t.float() for t in data.tensors)), 8))
+    assert fit.global_step == 2 and next(model.parameters()).dtype == torch.bfloat16
+    assert_same_on_all_ranks(flat_parameters(model).float(), "bf16-true parameters")
