@@ -2,9 +2,10 @@
 
 Layout. The parameters that require gradients are taken in reverse registration order (roughly the order their
 gradients become ready in backward) and packed into flat buckets, one dtype and device per bucket: the first
-bucket closes once it reaches ``first_bucket_cap_mb`` (small, so communication starts early), the others at
-``bucket_cap_mb`` (DDP's defaults: 1 MB and 25 MB). Every parameter's ``.grad`` is a view into its bucket, so the
-combined result lands directly in ``.grad``: nothing is flattened before or copied back after communication.
+bucket closes once it reaches ``first_bucket_cap_mb`` (DDP makes it small, 1 MB, so that communication starts
+early; here it defaults to the others' cap), the others at ``bucket_cap_mb`` (25 MB, DDP's default). Every
+parameter's ``.grad`` is a view into its bucket, so the combined result lands directly in ``.grad``: nothing is
+flattened before or copied back after communication.
 
 Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientReducer.wait`):
 
@@ -98,7 +99,7 @@ class GradientReducer:
         aggregator: how buckets are combined (see :mod:`mpistrategy.aggregation`).
         topology: this process's ranks and communicators; gradients travel on ``topology.gradients``.
         bucket_cap_mb: size at which a bucket is closed.
-        first_bucket_cap_mb: size at which the first bucket is closed.
+        first_bucket_cap_mb: size at which the first bucket is closed (default: ``bucket_cap_mb``).
 
     Building it is collective: ranks check once that they built the same layout.
     """
@@ -109,13 +110,13 @@ class GradientReducer:
         aggregator: Aggregator,
         topology: Topology,
         bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
+        first_bucket_cap_mb: float | None = None,
     ) -> None:
         self.module = module
         self.aggregator = aggregator
         self.topology = topology
         self.bucket_cap_mb = bucket_cap_mb
-        self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.first_bucket_cap_mb = bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
         self.buckets: list[GradBucket] = []
         self._named = self._all_parameters()
         self._covered: set[int] = set()

@@ -93,18 +93,24 @@ _REGISTRARS: dict[str, Callable[[], None]] = {
 }
 
 
+_deferred: set[str] = set()
+
+
 def install() -> None:
     """Set ``rank_zero_only`` from MPI and register ``"mpi_ad"`` with every Lightning package, now or on import."""
     _set_rank_zero_only()
-    waiting = {}
+    ready, waiting = [], {}
     for package, registrar in _REGISTRARS.items():
         module = sys.modules.get(package)
         if module is not None and not _initialising(module):
-            _safely(registrar, package)
+            ready.append(package)
         else:
             waiting[package] = registrar
+    # The hook goes in first: registering with one package may import the other.
     if waiting and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport(waiting))
+    for package in ready:
+        _attempt(package)
 
 
 def _set_rank_zero_only() -> None:
@@ -124,6 +130,32 @@ def _initialising(module: ModuleType) -> bool:
     return bool(getattr(spec, "_initializing", False))
 
 
+def _attempt(package: str, finishing: str | None = None) -> None:
+    """Register with ``package`` now, or once the strategy modules being imported right now are complete.
+
+    Importing a strategy module imports Lightning, whose import hook lands here while that strategy module is
+    still half-initialised (its classes do not exist yet); the module then calls :func:`flush_deferred` as its
+    last statement (``finishing``: by then its classes exist, although Python still marks it as initialising).
+    """
+    busy = [
+        name
+        for name, module in list(sys.modules.items())
+        if name.startswith("mpistrategy.strategy.") and name not in (__name__, finishing) and _initialising(module)
+    ]
+    if busy:
+        _deferred.add(package)
+        return
+    _deferred.discard(package)
+    _safely(_REGISTRARS[package], package)
+
+
+def flush_deferred(finishing: str) -> None:
+    """Run the registrations that waited for strategy modules to finish importing (see :func:`_attempt`);
+    ``finishing`` is the module calling this as its last statement."""
+    for package in sorted(_deferred):
+        _attempt(package, finishing)
+
+
 def _safely(registrar: Callable[[], None], package: str) -> None:
     try:
         registrar()
@@ -138,8 +170,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         self._registrars = dict(registrars)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        registrar = self._registrars.get(fullname)
-        if registrar is None:
+        if fullname not in self._registrars:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -154,16 +185,15 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         del self._registrars[fullname]
         if not self._registrars:
             sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
-        spec.loader = _LoaderThenRegister(spec.loader, registrar, fullname)
+        spec.loader = _LoaderThenRegister(spec.loader, fullname)
         return spec
 
 
 class _LoaderThenRegister(importlib.abc.Loader):
     """Delegates to the real loader, then registers (every other attribute comes from the real loader)."""
 
-    def __init__(self, loader: Any, registrar: Callable[[], None], package: str) -> None:
+    def __init__(self, loader: Any, package: str) -> None:
         self._loader = loader
-        self._registrar = registrar
         self._package = package
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
@@ -174,7 +204,7 @@ class _LoaderThenRegister(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        _safely(self._registrar, self._package)
+        _attempt(self._package)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpistrategy.aggregation import AggregationContext, GradBucket, MeanAggregator, Work
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from tests.strategy.helpers import (
     SIZE,
     Regressor,
@@ -21,6 +23,20 @@ PER_RANK_BATCH = 4
 STEPS = 4
 
 
+class CountingMean(MeanAggregator):
+    """The default mean, counting how many bucket combinations it started."""
+
+    combined = 0
+
+    def setup(self, context: AggregationContext) -> None:
+        super().setup(context)
+        self.buckets = len(context.buckets)
+
+    def start(self, bucket: GradBucket) -> Work:
+        self.combined += 1
+        return super().start(bucket)
+
+
 @pytest.mark.mpi(ranks=(2, 3, 4), timeout=120)
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("clip", [None, 0.05])
@@ -29,9 +45,13 @@ def test_matches_single_process_large_batch(accumulate: int, clip: float | None)
     data = regression_data(samples)
     model = Regressor(mlp(seed=1), lr=0.2, momentum=0.9)
     options = {"gradient_clip_val": clip} if clip is not None else {}
-    fit = trainer(max_steps=STEPS, accumulate_grad_batches=accumulate, **options)
+    counting = CountingMean()
+    strategy = MPIADStrategy(aggregator=counting)
+    fit = trainer(strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accumulate, **options)
     fit.fit(model, loader(data, PER_RANK_BATCH))
     assert fit.global_step == STEPS
+    # one combination per bucket and optimizer step: the intermediate micro-batches did not communicate
+    assert counting.combined == STEPS * counting.buckets
 
     reference = reference_sgd(
         mlp(seed=1),

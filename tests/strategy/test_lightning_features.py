@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import lightning.pytorch as L
@@ -25,6 +27,7 @@ from tests.strategy.helpers import (
     mlp,
     reference_sgd,
     regression_data,
+    shared_tmpdir,
     trainer,
 )
 
@@ -151,7 +154,12 @@ def test_reduce_broadcast_barrier() -> None:
     obj = {"from": RANK, "tensor": torch.arange(3) * RANK, "nested": [RANK, {"x": "y"}]}
     got = strategy.broadcast(obj, src=SIZE - 1)
     assert got["from"] == SIZE - 1 and got["tensor"].tolist() == [0, SIZE - 1, 2 * (SIZE - 1)]
+    marker = os.path.join(shared_tmpdir(), "rank0-was-here")
+    if RANK == 0:
+        time.sleep(0.5)
+        open(marker, "w").close()
     strategy.barrier("test")
+    assert os.path.exists(marker), "barrier returned before rank 0 arrived"
     assert strategy.reduce_boolean_decision(RANK == 0, all=False) is True
     assert strategy.reduce_boolean_decision(RANK == 0, all=True) is False
 
@@ -344,8 +352,6 @@ class _Validated(Regressor):
 @pytest.mark.mpi(ranks=(2, 3), timeout=90)
 def test_validation_during_fit_with_checkpoint_and_early_stopping() -> None:
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    from tests.strategy.helpers import shared_tmpdir
 
     directory = shared_tmpdir()
     data = regression_data(SIZE * 4 * 4)

@@ -61,6 +61,36 @@ def test_import_after_lightning_registers_too() -> None:
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    "first_import",
+    [
+        "from mpistrategy.strategy.mpi_ad import MPIADStrategy",
+        "from mpistrategy.strategy.environment import MPIEnvironment",
+        "from mpistrategy.strategy.pytorch_lightning import MPIADStrategy",
+        "from mpistrategy.strategy import MPIADStrategy",
+        "import lightning",
+        "import pytorch_lightning",
+        "import pytorch_lightning, lightning.pytorch",
+    ],
+)
+def test_registered_whatever_is_imported_first(first_import: str) -> None:
+    """Importing a strategy module imports Lightning, whose import hook fires while that module is half-done."""
+    result = _python(
+        f"""
+        {first_import}
+        import mpistrategy
+        import warnings
+        warnings.simplefilter("error")
+        from lightning.pytorch.strategies import StrategyRegistry
+        from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
+        assert "mpi_ad" in StrategyRegistry and "mpi_ad" in PLRegistry
+        print("OK")
+        """
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    assert "could not register" not in result.stderr
+
+
 def test_plain_python_is_a_world_of_one() -> None:
     result = _python(
         """
