@@ -80,18 +80,27 @@ class _Finish(torch.autograd.Function):
 
 
 class Handle:
-    """A non-blocking op in flight. ``wait()`` returns its result (once; later calls return the same object)."""
+    """A non-blocking op in flight. ``wait()`` returns its result (once; later calls return the same object).
+
+    When autograd does not record the op (``torch.no_grad()``, or an input that does not require grad) the
+    Start/Finish nodes are skipped and the handle completes the MPI requests directly: the op then costs no more
+    than the MPI calls, which matters for the strategy's gradient buckets.
+    """
 
     def __init__(self, tensor: torch.Tensor, link: Link, wrap: Callable[[torch.Tensor], Any] | None = None) -> None:
         self._link = link
-        self._token = _Start.apply(tensor, link)
         self._wrap = wrap
         self._result: Any = None
+        self._recorded = torch.is_grad_enabled() and tensor.requires_grad
+        if self._recorded:
+            self._token = _Start.apply(tensor, link)
+        else:
+            link.forward = link.start_forward(tensor.detach())
 
     def wait(self) -> Any:
-        """Complete the op and return its result, linked into the autograd graph."""
+        """Complete the op and return its result, linked into the autograd graph when the input was."""
         if self._result is None:
-            result = _Finish.apply(self._token, self._link)
+            result = _Finish.apply(self._token, self._link) if self._recorded else self._link.forward.wait()
             self._result = self._wrap(result) if self._wrap else result
         return self._result
 
