@@ -137,11 +137,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = selected
 
 
+_STARTUP_ENVIRON = dict(os.environ)
+
+
 def clean_environ() -> dict[str, str]:
-    """``os.environ`` without MPI launcher variables and this harness's inner-run variables."""
+    """The environment pytest started with, without MPI launcher variables and this harness's inner-run variables.
+
+    It is the environment at startup, not the current one: single-process tests that train in this process leave
+    variables behind (Lightning's ``PL_GLOBAL_SEED`` reseeds every later Trainer and its sampler), and an MPI job
+    started after them must not depend on which tests ran before it.
+    """
     return {
         key: value
-        for key, value in os.environ.items()
+        for key, value in _STARTUP_ENVIRON.items()
         if not key.startswith(_STRIPPED_PREFIXES) and key not in _STRIPPED_NAMES
     }
 

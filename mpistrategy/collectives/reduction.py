@@ -123,6 +123,8 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", comm: MPI.Comm | Communicat
     _check_reduction(tensor, op, "allreduce")
     comm = resolve(comm)
     agree(comm, "allreduce", signature(tensor, _OP_CODES[op], grad_flag(tensor)), "dtype, shape, op, requires_grad")
+    if not grad_flag(tensor):
+        return _run_allreduce(tensor, op, comm.forward, comm.size).wait()
     return _Allreduce.apply(tensor, op, comm)
 
 
