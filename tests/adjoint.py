@@ -45,12 +45,33 @@ def assert_adjoint(
     rhs_local = float((x.detach() * x.grad).sum()) if x.grad is not None else 0.0
     lhs = comm.allreduce(lhs_local)
     rhs = comm.allreduce(rhs_local)
-    assert math.isclose(lhs, rhs, rel_tol=rel_tol, abs_tol=1e-12), (
-        f"adjoint test failed: <Ax,y>={lhs} <x,A^T y>={rhs}"
-    )
+    assert math.isclose(lhs, rhs, rel_tol=rel_tol, abs_tol=1e-12), f"adjoint test failed: <Ax,y>={lhs} <x,A^T y>={rhs}"
     return lhs, rhs
 
 
 def gather_reference(local: torch.Tensor, comm: MPI.Comm = MPI.COMM_WORLD) -> list[torch.Tensor]:
     """Every rank's ``local`` tensor on every rank, by mpi4py's pickle-based allgather (the reference)."""
     return [torch.as_tensor(t) for t in comm.allgather(local.detach().clone())]
+
+
+def rank(comm: MPI.Comm = MPI.COMM_WORLD) -> int:
+    return comm.Get_rank()
+
+
+def size(comm: MPI.Comm = MPI.COMM_WORLD) -> int:
+    return comm.Get_size()
+
+
+def strided(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A random per-rank tensor of ``shape`` whose memory is laid out in reverse order (not contiguous)."""
+    base = random_like_rank(tuple(reversed(shape)), seed)
+    if dtype == torch.bool:
+        base = base > 0
+    elif not dtype.is_floating_point and not dtype.is_complex:
+        base = (base * 1000).round()
+    return base.to(dtype).permute(*reversed(range(len(shape))))
+
+
+def shape_along(dim: int, length: int, other: int = 3) -> tuple[int, int]:
+    """A 2-D shape whose dimension ``dim`` has ``length`` elements."""
+    return (length, other) if dim == 0 else (other, length)

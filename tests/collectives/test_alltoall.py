@@ -8,34 +8,12 @@ from mpi4py import MPI
 
 import mpistrategy as ms
 from mpistrategy import CommunicationError
-from tests.adjoint import assert_adjoint, gather_reference, random_like_rank
+from tests.adjoint import assert_adjoint, gather_reference, rank, shape_along, size, strided
 
 pytestmark = pytest.mark.mpi
 
 COMM = MPI.COMM_WORLD
 DTYPES = [torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex128]
-
-
-def rank() -> int:
-    return COMM.Get_rank()
-
-
-def size() -> int:
-    return COMM.Get_size()
-
-
-def strided(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """A random per-rank tensor of ``shape`` whose memory is laid out in reverse order (not contiguous)."""
-    base = random_like_rank(tuple(reversed(shape)), seed)
-    if dtype == torch.bool:
-        base = base > 0
-    elif not dtype.is_floating_point and not dtype.is_complex:
-        base = (base * 1000).round()
-    return base.to(dtype).permute(*reversed(range(len(shape))))
-
-
-def shape_along(dim: int, length: int, other: int = 3) -> tuple[int, int]:
-    return (length, other) if dim == 0 else (other, length)
 
 
 def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:

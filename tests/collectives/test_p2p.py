@@ -18,21 +18,13 @@ import mpistrategy as ms
 from mpistrategy import Placeholder
 from mpistrategy.collectives import p2p
 from mpistrategy.comm.buffers import DTYPE_CODES
-from tests.adjoint import assert_adjoint, random_like_rank, rank_generator
+from tests.adjoint import assert_adjoint, random_like_rank, rank, rank_generator, size
 
 pytestmark = pytest.mark.mpi(ranks=(2, 3, 4))
 
 COMM = MPI.COMM_WORLD
 LARGE = 1 << 20
 SIZES = {"small": (3, 5), "rendezvous": (LARGE,)}
-
-
-def rank() -> int:
-    return COMM.Get_rank()
-
-
-def size() -> int:
-    return COMM.Get_size()
 
 
 def right() -> int:

@@ -9,24 +9,11 @@ from mpi4py import MPI
 import mpistrategy as ms
 from mpistrategy import CommunicationError, Placeholder
 from mpistrategy.comm.checks import agree
-from tests.adjoint import assert_adjoint, gather_reference, random_like_rank
+from tests.adjoint import assert_adjoint, gather_reference, random_like_rank, rank, size, strided
 
 pytestmark = pytest.mark.mpi
 
 COMM = MPI.COMM_WORLD
-
-
-def rank() -> int:
-    return COMM.Get_rank()
-
-
-def size() -> int:
-    return COMM.Get_size()
-
-
-def strided(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """A random per-rank float64 tensor of ``shape`` whose memory is laid out in reverse order (not contiguous)."""
-    return random_like_rank(tuple(reversed(shape)), seed).permute(*reversed(range(len(shape))))
 
 
 def stacked(local: torch.Tensor) -> torch.Tensor:

@@ -14,19 +14,11 @@ from mpi4py import MPI
 
 import mpistrategy as ms
 from mpistrategy import CommunicationError
-from tests.adjoint import gather_reference, random_like_rank
+from tests.adjoint import gather_reference, random_like_rank, rank, size
 
 pytestmark = pytest.mark.mpi
 
 COMM = MPI.COMM_WORLD
-
-
-def rank() -> int:
-    return COMM.Get_rank()
-
-
-def size() -> int:
-    return COMM.Get_size()
 
 
 def shared(shape: tuple[int, ...], seed: int) -> torch.Tensor:
