@@ -18,15 +18,22 @@ from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.metadata import TensorMeta, exchange_meta
 
 
+def _receive(
+    tensor: torch.Tensor | None, meta: TensorMeta, device: torch.device, root: int, comm: Communicator
+) -> torch.Tensor:
+    """The broadcast itself: the root's ``tensor`` (ignored elsewhere) as a new tensor on every rank."""
+    source = tensor if comm.rank == root else None
+    result = _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward)
+    if source is not None and result.numel() and result.data_ptr() == source.data_ptr():
+        result = result.clone()  # MPI sent straight from the root's tensor: return a new one, not an alias
+    return result
+
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, meta: TensorMeta, device: torch.device, root: int, comm: Communicator):
         ctx.root, ctx.comm, ctx.input_shape, ctx.input_dtype = root, comm, tensor.shape, tensor.dtype
-        source = tensor if comm.rank == root else None
-        result = _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward)
-        if source is not None and result.numel() and result.data_ptr() == source.data_ptr():
-            result = result.clone()  # MPI sent straight from the root's tensor: return a new one, not an alias
-        return result
+        return _receive(tensor, meta, device, root, comm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -62,6 +69,8 @@ def broadcast(
     check_rank(root, comm, "broadcast")
     meta = exchange_meta(tensor if comm.rank == root else None, comm.rank == root, root, comm.forward, "broadcast")
     target = torch.device(device) if device is not None else (tensor.device if tensor is not None else None)
+    if not meta.requires_grad:  # no rank records the op: skip the autograd node
+        return _receive(tensor, meta, tensor.device if comm.rank == root else target or torch.device("cpu"), root, comm)
     if comm.rank == root:
         return _Broadcast.apply(tensor, meta, tensor.device, root, comm)
     linked = tensor if tensor is not None and tensor.requires_grad == meta.requires_grad else None

@@ -121,7 +121,7 @@ def _prepare_send(
     _check_peer(dst, comm, what, "dst", allow_self)
     _check_tag(tag, comm, what)
     header = torch.zeros(_HEADER_LENGTH, dtype=torch.int64)
-    meta = TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad and torch.is_grad_enabled())
+    meta = TensorMeta.of(tensor)
     header[:HEADER_LENGTH] = meta.encode(what)
     return comm, header
 

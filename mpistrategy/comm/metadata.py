@@ -28,23 +28,21 @@ class TensorMeta:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorMeta:
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+        """The metadata of ``tensor``; it requires grad only if autograd records ops on it here."""
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad and torch.is_grad_enabled())
 
     def encode(self, what: str) -> torch.Tensor:
         """The header as an int64 tensor of ``HEADER_LENGTH`` values."""
         check_dtype(self.dtype, what)
         if len(self.shape) > MAX_DIMS:
             raise ValueError(f"{what}: tensors of more than {MAX_DIMS} dimensions cannot be sent; reshape first.")
-        header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
-        header[0] = DTYPE_CODES.index(self.dtype)
-        header[1] = int(self.requires_grad)
-        header[2] = len(self.shape)
-        header[3 : 3 + len(self.shape)] = torch.tensor(self.shape, dtype=torch.int64)
-        return header
+        values = [DTYPE_CODES.index(self.dtype), int(self.requires_grad), len(self.shape), *self.shape]
+        return torch.tensor(values + [0] * (HEADER_LENGTH - len(values)), dtype=torch.int64)
 
     @classmethod
-    def decode(cls, header: torch.Tensor) -> TensorMeta:
-        values = header.tolist()
+    def decode(cls, header: torch.Tensor | list[int]) -> TensorMeta:
+        """The metadata in a received header (a tensor, or its values as a list)."""
+        values = header.tolist() if isinstance(header, torch.Tensor) else header
         ndim = values[2]
         return cls(tuple(values[3 : 3 + ndim]), DTYPE_CODES[values[0]], bool(values[1]))
 
@@ -76,11 +74,12 @@ def exchange_meta(
             except (TypeError, ValueError) as error:
                 problem, header[0] = error, _UNSENDABLE
     channel.Bcast(header.numpy(), root=root)
-    code = int(header[0])
+    values = header.tolist()
+    code = values[0]
     if code == _NO_TENSOR:
         raise ValueError(f"{what}: the sending rank {root} passed no tensor; it must pass the tensor to send.")
     if code == _UNSENDABLE:
         if problem is not None:
             raise problem
         raise TypeError(f"{what}: the tensor on the sending rank {root} cannot be sent (see the error on rank {root}).")
-    return TensorMeta.decode(header)
+    return TensorMeta.decode(values)
