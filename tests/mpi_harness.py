@@ -391,9 +391,8 @@ class _Job:
             return self._decide()
 
     def _command(self) -> list[str]:
-        mpiexec = os.environ.get(MPIEXEC_ENV) or _default_mpiexec()
         config = self._config
-        cmd = [mpiexec, *shlex.split(os.environ.get(MPIEXEC_ARGS_ENV, "")), "-n", str(self._nranks)]
+        cmd = [*launcher(), "-n", str(self._nranks)]
         cmd += [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         cmd += [f"--rootdir={config.rootpath}", f"--tb={config.option.tbstyle}"]
         if config.inipath is not None:
@@ -524,6 +523,12 @@ def _teardown_outer(item: pytest.Item, nextitem: pytest.Item | None) -> str | No
     except Exception:
         return str(pytest.ExceptionInfo.from_current().getrepr(style="short"))
     return None
+
+
+def launcher() -> list[str]:
+    """The MPI launcher and its extra arguments: ``$MPISTRATEGY_MPIEXEC`` (plus ``$MPISTRATEGY_MPIEXEC_ARGS``),
+    else the mpiexec beside this Python, else the one on PATH."""
+    return [os.environ.get(MPIEXEC_ENV) or _default_mpiexec(), *shlex.split(os.environ.get(MPIEXEC_ARGS_ENV, ""))]
 
 
 def _default_mpiexec() -> str:

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.mpi_harness import clean_environ
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def mpiexec() -> list[str]:
-    """The launcher: $MPISTRATEGY_MPIEXEC (+ $MPISTRATEGY_MPIEXEC_ARGS), else the one next to this Python."""
-    chosen = os.environ.get("MPISTRATEGY_MPIEXEC")
-    if not chosen:
-        beside = Path(sys.executable).parent / "mpiexec"
-        chosen = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not chosen:
-        raise RuntimeError("no mpiexec found (install the mpich extra or set MPISTRATEGY_MPIEXEC)")
-    return [chosen, *shlex.split(os.environ.get("MPISTRATEGY_MPIEXEC_ARGS", ""))]
 
 
 def train_command() -> list[str]:
@@ -30,13 +20,8 @@ def train_command() -> list[str]:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without the variables of an enclosing MPI job or test harness."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPISTRATEGY_TEST_", "SLURM_"))
-        and k not in ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-    }
+    """pytest's startup environment without the variables of an enclosing MPI job, test harness or SLURM job."""
+    env = {k: v for k, v in clean_environ().items() if not k.startswith("SLURM_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
