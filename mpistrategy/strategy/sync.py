@@ -15,8 +15,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from mpistrategy.collectives.reduction import allreduce
-from mpistrategy.comm.buffers import empty_on_wire, mpi_buffer, off_wire, on_wire
+from mpistrategy.collectives.reduction import _allgather_front, allreduce
+from mpistrategy.comm.buffers import mpi_buffer, off_wire, on_wire
 from mpistrategy.comm.communicator import Communicator
 
 _OP_NAMES = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
@@ -73,12 +73,8 @@ def gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm) -> list[torch.Tens
     if len(dtypes) != 1:
         raise TypeError(f"metric state sync: ranks hold different dtypes {sorted(map(str, dtypes))} for one state.")
     counts = [int(torch.Size(shape).numel()) for shape, _ in shapes]
-    flat = empty_on_wire((sum(counts),), local.dtype, tensor.device)
-    send = mpi_buffer(local.reshape(-1))
-    displacements = [sum(counts[:i]) for i in range(len(counts))]
-    comm.Allgatherv(send, [mpi_buffer(flat)[0], counts, displacements, send[2]])
-    flat = off_wire(flat, tensor.dtype, tensor.device)
-    return [flat[d : d + c].view(shape) for d, c, (shape, _) in zip(displacements, counts, shapes, strict=True)]
+    flat = _allgather_front(local.reshape(-1), counts, comm).to(tensor.device)
+    return [block.view(shape) for block, (shape, _) in zip(flat.split(counts), shapes, strict=True)]
 
 
 def broadcast_object(obj: Any, src: int, comm: MPI.Intracomm) -> Any:
