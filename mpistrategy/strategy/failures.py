@@ -1,12 +1,13 @@
 """Failure handling: an error on one rank ends every rank; a stop signal stops every rank at the same step.
 
-Abort on exception. When one rank raises, the others are (or soon will be) blocked in a collective that can
-never complete: without intervention the job hangs until the scheduler's time limit. :func:`abort` prints the
-exception with its rank and traceback, flushes, and calls ``MPI.COMM_WORLD.Abort(1)``, which makes the launcher
-(``mpiexec``, ``srun``) kill every rank with a non-zero exit code. The strategy calls it from Lightning's
-``on_exception`` hook (exceptions inside ``fit``/``validate``/``test``/``predict``), and
-:func:`install_excepthook` covers uncaught exceptions anywhere else in the script. A rank killed outright (SIGKILL,
-out-of-memory) is handled by the launcher itself, which tears the job down when one process dies.
+Abort on exception. When one rank raises, the others are (or soon will be) blocked in a collective that can never
+complete: without intervention the job hangs until the scheduler's time limit. :func:`abort` prints the exception
+with its rank and traceback, flushes, gives the launcher half a second to forward it, and calls
+``MPI.COMM_WORLD.Abort(1)``, which makes the launcher (``mpiexec``, ``srun``) kill every rank with a non-zero exit
+code. The strategy calls it from Lightning's ``on_exception`` hook (exceptions inside ``fit``/``validate``/
+``test``/``predict``), and :func:`install_excepthook` covers uncaught exceptions anywhere else in the script. A rank
+killed outright (SIGKILL, out-of-memory) is handled by the launcher itself, which tears the job down when one
+process dies.
 
 Coordinated stop. SIGTERM (preemption, ``scancel``) and SIGUSR1 (SLURM's ``--signal``, forwarded by MPICH's
 ``mpiexec``) may reach the ranks at different times, or only one of them. :class:`StopSignals` only records the
@@ -22,12 +23,17 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterable
 from types import FrameType, TracebackType
 
 import numpy as np
 from mpi4py import MPI
+
+# The launcher forwards each rank's output through a pipe and stops forwarding when Abort tears the job down:
+# without a pause the traceback just written could be lost (seen once in ~40 runs of the failure tests).
+_OUTPUT_GRACE_SECONDS = 0.5
 
 _excepthook_installed = False
 _abort_lock = threading.Lock()
@@ -63,6 +69,7 @@ def abort(error: BaseException, tb: TracebackType | None = None, code: int = 1) 
             sys.stderr.flush()
         except Exception:  # noqa: BLE001
             pass
+        time.sleep(_OUTPUT_GRACE_SECONDS)
         MPI.COMM_WORLD.Abort(code)
 
 
