@@ -44,10 +44,11 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
         if op == "allreduce":
             y = ms.allreduce(xg if backward else x)
         elif op == "broadcast":
-            y = ms.broadcast(xg if backward or rank == 0 else None, root=0)
+            y = ms.broadcast((xg if backward else x) if rank == 0 else None, root=0)
         else:
             y = ms.allgather(xg if backward else x)
         if backward:
+            xg.grad = None  # as zero_grad(set_to_none=True) does: the gradient is stored, not added
             y.backward(grad)
 
     def mpi4py():
@@ -79,6 +80,7 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
             y = dnn.broadcast(xg, src=0)
         else:
             y = torch.cat(dnn.all_gather(xg))
+        xg.grad = None
         y.backward(grad)
 
     calls = 100 if nbytes <= 1 << 16 else (10 if nbytes <= 1 << 22 else 2)

@@ -21,12 +21,9 @@ from mpistrategy.comm.metadata import TensorMeta, exchange_meta
 def _receive(
     tensor: torch.Tensor | None, meta: TensorMeta, device: torch.device, root: int, comm: Communicator
 ) -> torch.Tensor:
-    """The broadcast itself: the root's ``tensor`` (ignored elsewhere) as a new tensor on every rank."""
+    """The broadcast itself: the root's ``tensor`` (ignored elsewhere) on every rank (no copy on the root)."""
     source = tensor if comm.rank == root else None
-    result = _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward)
-    if source is not None and result.numel() and result.data_ptr() == source.data_ptr():
-        result = result.clone()  # MPI sent straight from the root's tensor: return a new one, not an alias
-    return result
+    return _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -62,6 +59,10 @@ def broadcast(
             zero gradient; passing it links its graph).
         root: the sending rank.
         device: where receivers put the result (default: their tensor's device, else the CPU).
+
+    On the root the result shares memory with a contiguous ``tensor`` (MPI sends straight from it; no copy is
+    made), as ``torch.distributed.broadcast`` leaves the root's tensor in place: clone before changing either in
+    place. Receivers get a new tensor.
 
     Backward: a reduce-sum of every rank's cotangent to the root.
     """

@@ -444,11 +444,15 @@ def scatter_v(
 # allgather
 
 
+def _allgather_along(tensor: torch.Tensor, sizes: list[int], dim: int, comm: Communicator) -> torch.Tensor:
+    return from_front(_allgather_front(to_front(tensor, dim), sizes, comm.forward), dim)
+
+
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, sizes: list[int], dim: int, comm: Communicator):
         ctx.sizes, ctx.dim, ctx.comm = sizes, dim, comm
-        return from_front(_allgather_front(to_front(tensor, dim), sizes, comm.forward), dim)
+        return _allgather_along(tensor, sizes, dim, comm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -467,6 +471,8 @@ def allgather(tensor: torch.Tensor, dim: int = 0, comm: MPI.Comm | Communicator 
     dim, sizes = _prepare_along(
         "allgather", tensor, dim, comm, None, equal=True, describe="dtype, shape, requires_grad, dim"
     )
+    if not grad_flag(tensor):  # autograd does not record the op here: skip the autograd node
+        return _allgather_along(tensor, sizes, dim, comm)
     return _Allgather.apply(tensor, sizes, dim, comm)
 
 
@@ -491,4 +497,6 @@ def allgather_v(
         equal=False,
         describe="dtype, shape (but along dim), requires_grad, dim, sizes",
     )
+    if not grad_flag(tensor):  # autograd does not record the op here: skip the autograd node
+        return _allgather_along(tensor, sizes, dim, comm)
     return _Allgather.apply(tensor, sizes, dim, comm)

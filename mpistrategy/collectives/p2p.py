@@ -122,7 +122,7 @@ def _prepare_send(
     _check_tag(tag, comm, what)
     header = torch.zeros(_HEADER_LENGTH, dtype=torch.int64)
     meta = TensorMeta.of(tensor)
-    header[:HEADER_LENGTH] = meta.encode(what)
+    header[:HEADER_LENGTH] = torch.tensor(meta.encode(what), dtype=torch.int64)
     return comm, header
 
 

@@ -55,7 +55,7 @@ def _run_allreduce(
     ``out`` receives the result (it may be ``tensor`` itself: then MPI works in place, with no copy).
     """
     wire_dtype = reduction_dtype(tensor.dtype, op, "allreduce")
-    in_place = out is not None and out is tensor and not _staged(tensor, wire_dtype)
+    in_place = out is not None and _same_memory(out, tensor) and not _staged(tensor, wire_dtype)
     send = on_wire(tensor, wire_dtype)
     if in_place:
         result, send_buffer = send, MPI.IN_PLACE
@@ -69,13 +69,18 @@ def _run_allreduce(
     def finish() -> torch.Tensor:
         if op == "avg":
             result.div_(size)
-        final = off_wire(result, tensor.dtype, tensor.device)
-        if out is not None and final is not out:
-            out.copy_(final)
-            return out
-        return final
+        if out is None:
+            return off_wire(result, tensor.dtype, tensor.device)
+        if not in_place:
+            out.copy_(result)
+        return out
 
     return Pending(requests, finish, keepalive=(send, result))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements in memory (``b`` may be a detached alias of ``a``)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _staged(tensor: torch.Tensor, wire_dtype: torch.dtype) -> bool:

@@ -46,6 +46,8 @@ DTYPE_CODES: tuple[torch.dtype, ...] = (
     torch.complex128,
 )
 
+_CPU = torch.device("cpu")
+
 REDUCE_OPS: dict[str, MPI.Op] = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 _BOOL_OPS: dict[str, MPI.Op] = {"max": MPI.LOR, "min": MPI.LAND}
 
@@ -101,9 +103,11 @@ def mpi_buffer(tensor: torch.Tensor) -> list:
 
     The tensor must live on the host, or on a device when MPI is CUDA-aware (see :func:`cuda_aware`).
     """
-    nbytes = tensor.numel() * tensor.element_size()
-    memory = MPI.buffer.fromaddress(tensor.data_ptr(), nbytes, readonly=False) if nbytes else MPI.BOTTOM
-    return [memory, tensor.numel(), transfer_type(tensor.dtype)]
+    count = tensor.numel()
+    datatype = _NATIVE_TYPES.get(tensor.dtype) or transfer_type(tensor.dtype)
+    if not count:
+        return [MPI.BOTTOM, 0, datatype]
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), count * tensor.element_size(), readonly=False), count, datatype]
 
 
 @functools.cache
@@ -126,7 +130,7 @@ def cuda_aware() -> bool:
 
 def needs_staging(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` must be copied through host memory for MPI to see it."""
-    return tensor.device.type != "cpu" and not (tensor.device.type == "cuda" and cuda_aware())
+    return not tensor.is_cpu and not (tensor.is_cuda and cuda_aware())
 
 
 def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -136,6 +140,8 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     are staged through host memory when MPI is not CUDA-aware.
     """
     tensor = tensor.detach()
+    if tensor.is_cpu and (dtype is None or dtype == tensor.dtype) and tensor.is_contiguous():
+        return tensor
     target_device = torch.device("cpu") if needs_staging(tensor) else tensor.device
     return tensor.to(device=target_device, dtype=dtype or tensor.dtype).contiguous()
 
@@ -143,9 +149,11 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
 def empty_on_wire(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised receive buffer MPI can address, for a result that will live on ``device``."""
     staged = device.type != "cpu" and not (device.type == "cuda" and cuda_aware())
-    return torch.empty(shape, dtype=dtype, device="cpu" if staged else device)
+    return torch.empty(shape, dtype=dtype, device=_CPU if staged else device)
 
 
 def off_wire(buffer: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Move a received buffer back to the caller's dtype and device (no copy when they already match)."""
+    if buffer.dtype == dtype and buffer.device == device:
+        return buffer
     return buffer.to(device=device, dtype=dtype)

@@ -2,25 +2,27 @@
 
 Local checks (a root outside the communicator, an unknown op, an unsupported dtype) fail identically on every
 rank, because every rank checks its own copy of the same arguments. Disagreement *between* ranks (different
-shapes, dtypes or roots) can only be seen by communicating: :func:`agree` allgathers a small signature and raises
-the same error on every rank. It costs one small allgather per op, so it is on by default and can be switched off
-for production runs with ``mpistrategy.set_validation(False)`` or ``MPISTRATEGY_VALIDATE=0``.
+shapes, dtypes or roots) can only be seen by communicating: :func:`agree` allreduces a digest of a small
+signature and raises the same error on every rank. It costs one allreduce of two integers per op (a few
+microseconds), so it is on by default; ``mpistrategy.set_validation(False)`` or ``MPISTRATEGY_VALIDATE=0`` switch
+it off for production runs.
 """
 
 from __future__ import annotations
 
 import os
 import zlib
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from mpistrategy.comm.buffers import DTYPE_CODES
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.errors import CommunicationError
 
-_WIDTH = 32
 _validation = os.environ.get("MPISTRATEGY_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -70,28 +72,30 @@ def grad_flag(tensor: object) -> int:
     return int(isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled())
 
 
+def _digest(values: Sequence[int]) -> int:
+    """A 63-bit digest of a signature (CRC-32 and Adler-32 of its int64 bytes; the same on every process)."""
+    data = array("q", values).tobytes()
+    return ((zlib.crc32(data) & 0x7FFFFFFF) << 32) | zlib.adler32(data)
+
+
 def agree(comm: Communicator, what: str, local: Sequence[int], describe: str = "dtype and shape") -> None:
     """Raise :class:`CommunicationError` on every rank unless all ranks pass the same ``local`` signature.
 
-    One allgather of ``_WIDTH`` int64 values per call; a no-op when validation is off or the communicator has
-    one rank.
+    One allreduce (MAX) of two int64 values per call: ``[d, -d]`` for the signature's digest ``d`` gives every
+    rank the largest and the smallest digest, which are equal exactly when all ranks agree (up to a 2**-63
+    digest collision). Only when they differ does a second exchange, an allgather of the signatures, name what
+    each rank passed. A no-op when validation is off or the communicator has one rank.
     """
     if not _validation or comm.size == 1:
         return
     local = [int(v) for v in local]
-    if len(local) >= _WIDTH:
-        # Too long for one row (reduce_scatter_v's sizes on many ranks): keep the head, fold the rest into a digest.
-        digest = zlib.crc32(np.asarray(local, dtype=np.int64).tobytes())
-        local = [*local[: _WIDTH - 3], len(local), digest]
-    row = np.full(_WIDTH, -3, dtype=np.int64)
-    row[0] = len(local)
-    row[1 : 1 + len(local)] = local
-    gathered = np.empty((comm.size, _WIDTH), dtype=np.int64)
-    comm.forward.Allgather(row, gathered)
-    rows = [tuple(r[1 : 1 + r[0]]) for r in gathered.tolist()]
-    if any(r != rows[0] for r in rows):
-        listing = "; ".join(f"rank {rank}: {r}" for rank, r in enumerate(rows))
-        raise CommunicationError(
-            f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same "
-            f"{describe}."
-        )
+    digest = _digest(local)
+    extremes = np.array([digest, -digest], dtype=np.int64)
+    comm.forward.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
+    if extremes[0] == -extremes[1]:
+        return
+    rows = [tuple(row) for row in comm.forward.allgather(local)]
+    listing = "; ".join(f"rank {rank}: {row}" for rank, row in enumerate(rows))
+    raise CommunicationError(
+        f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same {describe}."
+    )

@@ -7,8 +7,10 @@ A receiver cannot size its buffer before it knows what is coming, so ops whose r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -31,25 +33,20 @@ class TensorMeta:
         """The metadata of ``tensor``; it requires grad only if autograd records ops on it here."""
         return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad and torch.is_grad_enabled())
 
-    def encode(self, what: str) -> torch.Tensor:
-        """The header as an int64 tensor of ``HEADER_LENGTH`` values."""
+    def encode(self, what: str) -> list[int]:
+        """The header: ``HEADER_LENGTH`` int64 values."""
         check_dtype(self.dtype, what)
         if len(self.shape) > MAX_DIMS:
             raise ValueError(f"{what}: tensors of more than {MAX_DIMS} dimensions cannot be sent; reshape first.")
         values = [DTYPE_CODES.index(self.dtype), int(self.requires_grad), len(self.shape), *self.shape]
-        return torch.tensor(values + [0] * (HEADER_LENGTH - len(values)), dtype=torch.int64)
+        return values + [0] * (HEADER_LENGTH - len(values))
 
     @classmethod
-    def decode(cls, header: torch.Tensor | list[int]) -> TensorMeta:
-        """The metadata in a received header (a tensor, or its values as a list)."""
-        values = header.tolist() if isinstance(header, torch.Tensor) else header
+    def decode(cls, header: Sequence[int]) -> TensorMeta:
+        """The metadata in a received header (its values as a list, or an int64 array or tensor)."""
+        values = header.tolist() if hasattr(header, "tolist") else list(header)
         ndim = values[2]
         return cls(tuple(values[3 : 3 + ndim]), DTYPE_CODES[values[0]], bool(values[1]))
-
-
-def empty_header() -> torch.Tensor:
-    """A receive buffer for one header."""
-    return torch.empty(HEADER_LENGTH, dtype=torch.int64)
 
 
 _NO_TENSOR, _UNSENDABLE = -1, -2
@@ -64,16 +61,16 @@ def exchange_meta(
     instead of the receivers waiting forever.
     """
     problem: Exception | None = None
-    header = empty_header()
+    header = np.zeros(HEADER_LENGTH, dtype=np.int64)
     if is_sender:
         if not isinstance(tensor, torch.Tensor):
             header[0] = _NO_TENSOR
         else:
             try:
-                header = TensorMeta.of(tensor).encode(what)
+                header[:] = TensorMeta.of(tensor).encode(what)
             except (TypeError, ValueError) as error:
                 problem, header[0] = error, _UNSENDABLE
-    channel.Bcast(header.numpy(), root=root)
+    channel.Bcast(header, root=root)
     values = header.tolist()
     code = values[0]
     if code == _NO_TENSOR:

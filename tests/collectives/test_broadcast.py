@@ -91,12 +91,14 @@ def test_dtypes_move_bit_exactly(dtype: torch.dtype) -> None:
     assert torch.equal(out, expected)
 
 
-def test_receivers_choose_the_device_and_get_a_new_tensor() -> None:
+def test_receivers_get_a_new_tensor_and_the_root_its_own_memory() -> None:
     x = torch.arange(3.0)
     out = ms.broadcast(x if rank() == 0 else None, root=0, device="cpu")
     assert torch.equal(out, torch.arange(3.0)) and out.device.type == "cpu"
-    out.add_(1)
-    assert torch.equal(x, torch.arange(3.0))  # the root's tensor is not aliased
+    assert (out.data_ptr() == x.data_ptr()) == (rank() == 0)  # no copy on the root
+    strided_root = torch.arange(6.0).reshape(2, 3).t()
+    copied = ms.broadcast(strided_root if rank() == 0 else None, root=0)
+    assert copied.is_contiguous() and torch.equal(copied, torch.arange(6.0).reshape(2, 3).t())
 
 
 def test_root_errors_raise_on_every_rank() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mpi4py import MPI
+from torch.profiler import ProfilerActivity
 
 import mpistrategy as ms
 from mpistrategy import CommunicationError, Placeholder
@@ -166,6 +167,16 @@ def test_iallreduce_out_under_no_grad(op: str, layout: str) -> None:
         result = ms.iallreduce(x, op, out=out).wait()
     assert result is out and out.data_ptr() == pointer
     assert_close(out, expected)
+
+
+def test_iallreduce_in_place_allocates_no_result_buffer() -> None:
+    x = torch.full((1 << 16,), float(rank() + 1), dtype=torch.float64)
+    nbytes = x.numel() * x.element_size()
+    with torch.no_grad(), torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ms.iallreduce(x, "avg", out=x).wait()
+    allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert max(allocated, default=0) < nbytes, f"an in-place allreduce allocated {max(allocated)} bytes"
+    assert_close(x, torch.full_like(x, (size() + 1) / 2))
 
 
 def test_iallreduce_errors_raise_on_every_rank() -> None:
