@@ -51,12 +51,18 @@ def init_gloo() -> None:
 def median_seconds(
     runs: dict[str, Callable[[], object]], repeats: int, calls: int, barrier: Callable[[], None]
 ) -> dict[str, float]:
-    """Median seconds per call of each function, timing blocks of ``calls`` calls, interleaved over ``repeats``."""
+    """Median seconds per call of each function, timing blocks of ``calls`` calls, interleaved over ``repeats``.
+
+    The order of the functions rotates from one repeat to the next, so that none always follows the same one
+    (a contender that leaves caches cold or threads busy would otherwise always slow down the same successor).
+    """
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
         run()
-    for _ in range(repeats):
-        for name, run in runs.items():
+    order = list(runs.items())
+    for repeat in range(repeats):
+        shift = repeat % len(order)
+        for name, run in order[shift:] + order[:shift]:
             barrier()
             start = time.perf_counter()
             for _ in range(calls):

@@ -18,14 +18,13 @@ from mpi4py import MPI
 from mpistrategy.collectives._layout import from_front, to_front
 from mpistrategy.collectives.gather import (
     _blocks,
-    agree_checked,
     check_along,
     check_dim_argument,
     check_sizes,
     raise_if_flagged,
 )
 from mpistrategy.comm.buffers import empty_on_wire, off_wire, on_wire
-from mpistrategy.comm.checks import grad_flag, signature, validation_enabled
+from mpistrategy.comm.checks import agree_checked, grad_flag, signature, validation_enabled
 from mpistrategy.comm.communicator import Communicator, resolve
 
 

@@ -12,18 +12,23 @@ from mpi4py import MPI
 
 from mpistrategy.collectives.placeholder import anchor
 from mpistrategy.collectives.reduction import _broadcast_from
-from mpistrategy.comm.buffers import mpi_buffer, mpi_op, off_wire, on_wire, reduction_dtype
+from mpistrategy.comm.buffers import mpi_buffer, mpi_op, off_wire, on_wire, out_problem, reduction_dtype
 from mpistrategy.comm.checks import check_rank
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.metadata import TensorMeta, exchange_meta
 
 
 def _receive(
-    tensor: torch.Tensor | None, meta: TensorMeta, device: torch.device, root: int, comm: Communicator
+    tensor: torch.Tensor | None,
+    meta: TensorMeta,
+    device: torch.device,
+    root: int,
+    comm: Communicator,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The broadcast itself: the root's ``tensor`` (ignored elsewhere) on every rank (no copy on the root)."""
     source = tensor if comm.rank == root else None
-    return _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward)
+    return _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward, out)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -51,6 +56,7 @@ def broadcast(
     comm: MPI.Comm | Communicator | None = None,
     *,
     device: torch.device | str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every rank gets a copy of the root's ``tensor``; receivers need not know its shape or dtype.
 
@@ -59,6 +65,10 @@ def broadcast(
             zero gradient; passing it links its graph).
         root: the sending rank.
         device: where receivers put the result (default: their tensor's device, else the CPU).
+        out: a tensor of the root's shape and dtype that receives the result and is returned (no new
+            allocation; on the root, ``out=tensor`` broadcasts in place as ``torch.distributed.broadcast`` does).
+            Only when the op is not recorded by autograd (the root's tensor does not require grad, or
+            ``torch.no_grad()``).
 
     On the root the result shares memory with a contiguous ``tensor`` (MPI sends straight from it; no copy is
     made), as ``torch.distributed.broadcast`` leaves the root's tensor in place: clone before changing either in
@@ -70,10 +80,17 @@ def broadcast(
     check_rank(root, comm, "broadcast")
     meta = exchange_meta(tensor if comm.rank == root else None, comm.rank == root, root, comm.forward, "broadcast")
     target = torch.device(device) if device is not None else (tensor.device if tensor is not None else None)
-    if not meta.requires_grad:  # no rank records the op: skip the autograd node
-        return _receive(tensor, meta, tensor.device if comm.rank == root else target or torch.device("cpu"), root, comm)
     if comm.rank == root:
-        return _Broadcast.apply(tensor, meta, tensor.device, root, comm)
+        target = tensor.device
+    target = target or torch.device("cpu")
+    problem = out_problem(out, meta.requires_grad, "broadcast")
+    if problem is not None:  # take part in the broadcast, so that no rank waits for this one, then raise
+        _receive(tensor, meta, target, root, comm)
+        raise problem
+    if not meta.requires_grad:  # no rank records the op: skip the autograd node
+        return _receive(tensor, meta, target, root, comm, out)
+    if comm.rank == root:
+        return _Broadcast.apply(tensor, meta, target, root, comm)
     linked = tensor if tensor is not None and tensor.requires_grad == meta.requires_grad else None
     source = linked if linked is not None else anchor(meta.requires_grad, meta.dtype)
-    return _Broadcast.apply(source, meta, target or torch.device("cpu"), root, comm)
+    return _Broadcast.apply(source, meta, target, root, comm)

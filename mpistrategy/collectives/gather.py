@@ -29,8 +29,8 @@ from mpi4py import MPI
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
 from mpistrategy.collectives.placeholder import Placeholder, anchor
 from mpistrategy.collectives.reduction import _allgather_front, _reduce_scatter_front
-from mpistrategy.comm.buffers import check_dtype, empty_on_wire, mpi_buffer, off_wire, on_wire
-from mpistrategy.comm.checks import agree, check_rank, grad_flag, signature, validation_enabled
+from mpistrategy.comm.buffers import check_dtype, deliver, empty_on_wire, mpi_buffer, off_wire, on_wire, out_problem
+from mpistrategy.comm.checks import agree, agree_checked, check_rank, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.errors import CommunicationError
 from mpistrategy.comm.metadata import exchange_meta
@@ -131,31 +131,6 @@ def check_sizes(
     return values, None
 
 
-def agree_checked(
-    comm: Communicator,
-    what: str,
-    local: Sequence[int],
-    describe: str,
-    problem: Exception | None,
-    *,
-    deferred: bool = False,
-) -> None:
-    """:func:`agree` on ``local`` plus a flag for a local ``problem``, then raise the problem.
-
-    The rank with the problem raises it, the others a :class:`CommunicationError`. With ``deferred=True`` and
-    validation off, the problem is left to the caller, whose next exchange tells the other ranks.
-    """
-    try:
-        agree(comm, what, [*local, int(problem is not None)], f"{describe} and argument validity")
-    except CommunicationError as error:
-        if problem is not None:
-            raise problem from error
-        raise
-    checked = validation_enabled() and comm.size > 1
-    if problem is not None and (checked or comm.size == 1 or not deferred):
-        raise problem
-
-
 def raise_if_flagged(values: Sequence[int], what: str, problem: Exception | None) -> None:
     """After an exchange of lengths in which a rank with a problem sent -1: raise on every rank."""
     if problem is not None:
@@ -187,10 +162,12 @@ def _prepare_along(
     equal: bool,
     extra: Sequence[int] = (),
     describe: str,
+    out_problem: Exception | None = None,
 ) -> tuple[int, list[int]]:
     """Check the arguments of a gather or allgather on every rank; return the normalised dim and the block sizes."""
     check_dim_argument(dim, what)
     normalised, problem = check_along(tensor, dim, what)
+    problem = problem or out_problem
     length = tensor.shape[normalised] if problem is None else -1
     known: list[int] | None = None
     if not equal and sizes is not None:
@@ -444,8 +421,13 @@ def scatter_v(
 # allgather
 
 
-def _allgather_along(tensor: torch.Tensor, sizes: list[int], dim: int, comm: Communicator) -> torch.Tensor:
-    return from_front(_allgather_front(to_front(tensor, dim), sizes, comm.forward), dim)
+def _allgather_along(
+    tensor: torch.Tensor, sizes: list[int], dim: int, comm: Communicator, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    if dim == 0:  # the blocks are already where MPI puts them: receive straight into out
+        return _allgather_front(tensor, sizes, comm.forward, out)
+    gathered = from_front(_allgather_front(to_front(tensor, dim), sizes, comm.forward), dim)
+    return deliver(gathered, out, tensor.dtype, tensor.device, "allgather") if out is not None else gathered
 
 
 class _Allgather(torch.autograd.Function):
@@ -462,17 +444,33 @@ class _Allgather(torch.autograd.Function):
         return from_front(block, ctx.dim), None, None, None
 
 
-def allgather(tensor: torch.Tensor, dim: int = 0, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor,
+    dim: int = 0,
+    comm: MPI.Comm | Communicator | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Every rank gets every rank's ``tensor`` concatenated along ``dim`` in rank order (equal shapes everywhere).
+
+    ``out``: a tensor of the result's shape and dtype to write into and return (no new allocation; MPI writes
+    into it directly for ``dim=0``). Only outside autograd (``torch.no_grad()`` or an input without grad).
 
     Backward: a reduce-scatter sum: rank r's input gets the sum over ranks of block r of their cotangents.
     """
     comm = resolve(comm)
     dim, sizes = _prepare_along(
-        "allgather", tensor, dim, comm, None, equal=True, describe="dtype, shape, requires_grad, dim"
+        "allgather",
+        tensor,
+        dim,
+        comm,
+        None,
+        equal=True,
+        describe="dtype, shape, requires_grad, dim",
+        out_problem=out_problem(out, grad_flag(tensor), "allgather"),
     )
     if not grad_flag(tensor):  # autograd does not record the op here: skip the autograd node
-        return _allgather_along(tensor, sizes, dim, comm)
+        return _allgather_along(tensor, sizes, dim, comm, out)
     return _Allgather.apply(tensor, sizes, dim, comm)
 
 

@@ -27,15 +27,18 @@ from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder
 from mpistrategy.comm.buffers import (
     REDUCE_OPS,
+    deliver,
     empty_on_wire,
     mpi_buffer,
     mpi_op,
-    needs_staging,
     off_wire,
     on_wire,
+    out_problem,
+    receive_buffer,
     reduction_dtype,
+    same_memory,
 )
-from mpistrategy.comm.checks import agree, check_dim, check_rank, grad_flag, signature
+from mpistrategy.comm.checks import agree, agree_checked, check_dim, check_rank, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
@@ -52,15 +55,13 @@ def _run_allreduce(
 ) -> Pending:
     """Start (or run) ``MPI_Allreduce`` of ``tensor`` and return what completes it.
 
-    ``out`` receives the result (it may be ``tensor`` itself: then MPI works in place, with no copy).
+    ``out`` receives the result: MPI writes straight into it when it can, and works in place (``MPI_IN_PLACE``)
+    when ``out`` is ``tensor``'s own memory.
     """
     wire_dtype = reduction_dtype(tensor.dtype, op, "allreduce")
-    in_place = out is not None and _same_memory(out, tensor) and not _staged(tensor, wire_dtype)
     send = on_wire(tensor, wire_dtype)
-    if in_place:
-        result, send_buffer = send, MPI.IN_PLACE
-    else:
-        result, send_buffer = torch.empty_like(send), mpi_buffer(send)
+    result = receive_buffer(out, tuple(send.shape), wire_dtype, tensor.device)
+    send_buffer = MPI.IN_PLACE if same_memory(result, send) else mpi_buffer(send)
     args = (send_buffer, mpi_buffer(result), mpi_op(wire_dtype, op))
     requests = [channel.Iallreduce(*args)] if not blocking else []
     if blocking:
@@ -69,22 +70,9 @@ def _run_allreduce(
     def finish() -> torch.Tensor:
         if op == "avg":
             result.div_(size)
-        if out is None:
-            return off_wire(result, tensor.dtype, tensor.device)
-        if not in_place:
-            out.copy_(result)
-        return out
+        return deliver(result, out, tensor.dtype, tensor.device, "allreduce")
 
     return Pending(requests, finish, keepalive=(send, result))
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same elements in memory (``b`` may be a detached alias of ``a``)."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-
-
-def _staged(tensor: torch.Tensor, wire_dtype: torch.dtype) -> bool:
-    return wire_dtype != tensor.dtype or not tensor.is_contiguous() or needs_staging(tensor)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -114,22 +102,33 @@ def _check_reduction(tensor: torch.Tensor, op: str, what: str) -> None:
     reduction_dtype(tensor.dtype, op, what)
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    comm: MPI.Comm | Communicator | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks of ``comm``; every rank gets the result.
 
     Args:
         tensor: same shape and dtype on every rank.
         op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
         comm: an mpi4py communicator or :class:`Communicator` (default: the world).
+        out: a tensor of the same shape and dtype to write the result into and return (no new allocation;
+            ``out=tensor`` reduces in place). Only outside autograd: under ``torch.no_grad()`` or for a
+            ``tensor`` that does not require grad.
 
     Backward (objective = sum of every rank's loss): sum and avg apply the same allreduce to the cotangents;
     max and min send the summed cotangent to the rank holding the extremum (the lowest such rank on ties).
     """
     _check_reduction(tensor, op, "allreduce")
+    recorded = grad_flag(tensor)
     comm = resolve(comm)
-    agree(comm, "allreduce", signature(tensor, _OP_CODES[op], grad_flag(tensor)), "dtype, shape, op, requires_grad")
-    if not grad_flag(tensor):
-        return _run_allreduce(tensor, op, comm.forward, comm.size).wait()
+    local = signature(tensor, _OP_CODES[op], recorded)
+    agree_checked(comm, "allreduce", local, "dtype, shape, op, requires_grad", out_problem(out, recorded, "allreduce"))
+    if not recorded:
+        return _run_allreduce(tensor, op, comm.forward, comm.size, out=out).wait()
     return _Allreduce.apply(tensor, op, comm)
 
 
@@ -149,10 +148,11 @@ def iallreduce(
     _check_reduction(tensor, op, "iallreduce")
     if op not in ("sum", "avg"):
         raise ValueError(f"iallreduce: op={op!r} is not available non-blocking; use 'sum' or 'avg', or allreduce.")
-    if out is not None and torch.is_grad_enabled() and tensor.requires_grad:
-        raise ValueError("iallreduce: out= is only allowed under torch.no_grad() or for tensors without grad.")
+    recorded = grad_flag(tensor)
     comm = resolve(comm)
-    agree(comm, "iallreduce", signature(tensor, _OP_CODES[op], grad_flag(tensor)), "dtype, shape, op, requires_grad")
+    local = signature(tensor, _OP_CODES[op], recorded)
+    problem = out_problem(out, recorded, "iallreduce")
+    agree_checked(comm, "iallreduce", local, "dtype, shape, op, requires_grad", problem)
     link = Link(
         lambda x: _run_allreduce(x, op, comm.forward, comm.size, blocking=False, out=out),
         lambda g: _run_allreduce(g, op, comm.backward, comm.size, blocking=False),
@@ -161,12 +161,22 @@ def iallreduce(
 
 
 def _broadcast_from(
-    tensor: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype, device: torch.device, root: int, comm
+    tensor: torch.Tensor | None,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    root: int,
+    comm: MPI.Intracomm,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Blocking broadcast of ``tensor`` (significant at ``root`` only) on ``comm``, a raw MPI communicator."""
-    buffer = on_wire(tensor) if tensor is not None else empty_on_wire(tuple(shape), dtype, device)
+    """Blocking broadcast of ``tensor`` (significant at ``root`` only) on ``comm``, a raw MPI communicator.
+
+    Receivers write into ``out`` when given; the root sends from ``tensor`` (and copies it into a distinct
+    ``out``).
+    """
+    buffer = on_wire(tensor) if tensor is not None else receive_buffer(out, tuple(shape), dtype, device)
     comm.Bcast(mpi_buffer(buffer), root=root)
-    return off_wire(buffer, dtype, device)
+    return deliver(buffer, out, dtype, device, "broadcast")
 
 
 class _Reduce(torch.autograd.Function):
@@ -236,18 +246,21 @@ def _reduce_scatter_front(
     return off_wire(result, front.dtype, front.device)
 
 
-def _allgather_front(front: torch.Tensor, sizes: list[int], channel: MPI.Intracomm) -> torch.Tensor:
-    """``MPI_Allgather(v)`` of blocks along the first dimension, block r having ``sizes[r]`` rows."""
+def _allgather_front(
+    front: torch.Tensor, sizes: list[int], channel: MPI.Intracomm, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``MPI_Allgather(v)`` of blocks along the first dimension, block r having ``sizes[r]`` rows (into ``out``
+    when given)."""
     send = on_wire(front)
     row = math.prod(send.shape[1:])
-    result = empty_on_wire((sum(sizes), *send.shape[1:]), send.dtype, front.device)
+    result = receive_buffer(out, (sum(sizes), *send.shape[1:]), send.dtype, front.device)
     send_buffer = mpi_buffer(send)
     if len(set(sizes)) == 1:
         channel.Allgather(send_buffer, [mpi_buffer(result)[0], send_buffer[1], send_buffer[2]])
     else:
         counts = [s * row for s in sizes]
         channel.Allgatherv(send_buffer, [mpi_buffer(result)[0], counts, offsets(counts), send_buffer[2]])
-    return off_wire(result, front.dtype, front.device)
+    return deliver(result, out, front.dtype, front.device, "allgather")
 
 
 class _ReduceScatter(torch.autograd.Function):

@@ -157,3 +157,59 @@ def off_wire(buffer: torch.Tensor, dtype: torch.dtype, device: torch.device) -> 
     if buffer.dtype == dtype and buffer.device == device:
         return buffer
     return buffer.to(device=device, dtype=dtype)
+
+
+def out_problem(out: object, recorded: bool, what: str) -> Exception | None:
+    """What is wrong with an ``out=`` argument before communicating, or ``None``: it must be a tensor, and the op
+    must run outside autograd (the result cannot be both ``out`` and a new autograd node)."""
+    if out is None:
+        return None
+    if not isinstance(out, torch.Tensor):
+        return TypeError(f"{what}: out= must be a torch.Tensor, got {type(out).__name__}.")
+    if recorded:
+        return ValueError(
+            f"{what}: out= is only allowed outside autograd (under torch.no_grad() or for inputs that do not "
+            "require grad); drop out= to get a differentiable result."
+        )
+    return None
+
+
+def receive_buffer(
+    out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Where MPI writes a result of ``shape`` and ``dtype``: ``out`` itself when MPI can write into it directly
+    (contiguous, that shape and dtype, addressable memory), else a fresh buffer that :func:`deliver` copies from."""
+    if (
+        out is not None
+        and out.dtype == dtype
+        and tuple(out.shape) == tuple(shape)
+        and out.is_contiguous()
+        and not needs_staging(out)
+    ):
+        return out
+    return empty_on_wire(tuple(shape), dtype, device)
+
+
+def deliver(
+    result: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype, device: torch.device, what: str
+) -> torch.Tensor:
+    """The op's result: ``result`` moved to ``dtype`` and ``device``, or written into ``out`` when one was given.
+
+    Called once the collective has completed, so that a bad ``out`` raises on its rank without leaving the other
+    ranks waiting.
+    """
+    if out is None:
+        return off_wire(result, dtype, device)
+    if not same_memory(result, out):
+        if tuple(out.shape) != tuple(result.shape) or out.dtype != dtype:
+            raise ValueError(
+                f"{what}: out= has shape {tuple(out.shape)} and dtype {out.dtype}, but the result has shape "
+                f"{tuple(result.shape)} and dtype {dtype}; pass an out of that shape and dtype, or no out."
+            )
+        out.copy_(result)
+    return out
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements in memory (one may be a detached alias of the other)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype

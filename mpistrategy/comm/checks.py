@@ -99,3 +99,28 @@ def agree(comm: Communicator, what: str, local: Sequence[int], describe: str = "
     raise CommunicationError(
         f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same {describe}."
     )
+
+
+def agree_checked(
+    comm: Communicator,
+    what: str,
+    local: Sequence[int],
+    describe: str,
+    problem: Exception | None,
+    *,
+    deferred: bool = False,
+) -> None:
+    """:func:`agree` on ``local`` plus a flag for a local ``problem``, then raise the problem.
+
+    The rank with the problem raises it, the others a :class:`CommunicationError`. With ``deferred=True`` and
+    validation off, the problem is left to the caller, whose next exchange tells the other ranks.
+    """
+    try:
+        agree(comm, what, [*local, int(problem is not None)], f"{describe} and argument validity")
+    except CommunicationError as error:
+        if problem is not None:
+            raise problem from error
+        raise
+    checked = validation_enabled() and comm.size > 1
+    if problem is not None and (checked or comm.size == 1 or not deferred):
+        raise problem

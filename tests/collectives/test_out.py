@@ -1,0 +1,104 @@
+"""``out=`` on allreduce, broadcast and allgather: results written into the caller's tensor (1-4 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity
+
+import mpistrategy as ms
+from tests.adjoint import gather_reference, rank, size, strided
+
+pytestmark = pytest.mark.mpi
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def largest_allocation(run) -> int:
+    """The largest CPU allocation (bytes) made while ``run()`` executes."""
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "in place"])
+def test_allreduce_writes_into_out(op: str, layout: str) -> None:
+    x = strided((3, 2), seed=1).contiguous()
+    reference = torch.stack(gather_reference(x))
+    expected = {"sum": reference.sum(0), "avg": reference.mean(0), "max": reference.amax(0)}[op]
+    out = {"contiguous": torch.empty(3, 2, dtype=torch.float64), "transposed": torch.empty(2, 3).double().t()}.get(
+        layout, x
+    )
+    pointer = out.data_ptr()
+    result = ms.allreduce(x, op, out=out)
+    assert result is out and out.data_ptr() == pointer
+    assert_close(out, expected)
+
+
+def test_allreduce_out_in_bfloat16_is_reduced_in_float32() -> None:
+    x = torch.full((5,), 1.0 + 2.0**-7 * (rank() + 1), dtype=torch.bfloat16)
+    out = torch.empty(5, dtype=torch.bfloat16)
+    ms.allreduce(x, out=out)
+    exact = sum(float(t[0].float()) for t in gather_reference(x.float()))
+    assert torch.equal(out, torch.full((5,), exact, dtype=torch.float32).to(torch.bfloat16))
+
+
+def test_allreduce_and_allgather_into_out_allocate_no_result_buffer() -> None:
+    x = torch.full((1 << 15,), float(rank() + 1), dtype=torch.float64)
+    nbytes = x.numel() * x.element_size()
+    reduced = torch.empty_like(x)
+    gathered = torch.empty(size() * x.numel(), dtype=torch.float64)
+    assert largest_allocation(lambda: ms.allreduce(x, out=reduced)) < nbytes
+    assert largest_allocation(lambda: ms.allgather(x, out=gathered)) < nbytes
+    assert_close(reduced, torch.full_like(x, size() * (size() + 1) / 2))
+    assert_close(gathered, torch.arange(1, size() + 1, dtype=torch.float64).repeat_interleave(x.numel()))
+
+
+def test_broadcast_into_out_on_receivers_and_in_place_on_the_root() -> None:
+    root = size() - 1
+    value = torch.arange(6.0).reshape(2, 3)
+    out = value.clone() if rank() == root else torch.empty(2, 3)
+    pointer = out.data_ptr()
+    result = ms.broadcast(out if rank() == root else None, root=root, out=out)
+    assert result is out and out.data_ptr() == pointer
+    assert torch.equal(out, value)
+    separate = torch.empty(2, 3)
+    ms.broadcast(value if rank() == root else None, root=root, out=separate)
+    assert torch.equal(separate, value) and separate.data_ptr() != value.data_ptr()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_allgather_writes_into_out(dim: int) -> None:
+    x = strided((2, 3), seed=4)
+    expected = torch.cat(gather_reference(x), dim)
+    out = torch.empty(expected.shape, dtype=torch.float64)
+    pointer = out.data_ptr()
+    assert ms.allgather(x, dim, out=out) is out and out.data_ptr() == pointer
+    assert_close(out, expected)
+
+
+def test_out_with_autograd_raises_on_every_rank() -> None:
+    x = torch.ones(3, requires_grad=True)
+    out = torch.empty(3)
+    with pytest.raises(ValueError, match="outside autograd"):
+        ms.allreduce(x, out=out)
+    with pytest.raises(ValueError, match="outside autograd"):
+        ms.allgather(x, out=torch.empty(3 * size()))
+    with pytest.raises(ValueError, match="outside autograd"):
+        ms.broadcast(x if rank() == 0 else None, root=0, out=out)
+    with torch.no_grad():
+        assert torch.equal(ms.allreduce(x, out=out), torch.full((3,), float(size())))
+
+
+def test_out_of_the_wrong_shape_or_dtype_raises_after_the_collective() -> None:
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match=r"out= has shape \(3,\).*result has shape \(4,\)"):
+        ms.allreduce(x, out=torch.empty(3))
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        ms.broadcast(x if rank() == 0 else None, root=0, out=torch.empty(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="out= must be a torch.Tensor"):
+        ms.allgather(x, out=[0.0] * 4)
+    assert torch.equal(ms.allreduce(x), torch.full((4,), float(size())))  # the ranks are still in step
