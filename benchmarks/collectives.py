@@ -108,9 +108,8 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
     calls = 100 if nbytes <= 1 << 16 else (20 if nbytes <= 1 << 22 else 4)
     repeats = 5 if quick else 9
     def ours_unchecked():
-        ms.set_validation(False)
-        ours()
-        ms.set_validation(validated)
+        with ms.validation(False):
+            ours()
 
     validated = ms.validation_enabled()
     runs = {"ours": ours, "mpi4py": mpi4py, "gloo": gloo}

@@ -20,7 +20,7 @@ from mpistrategy.collectives.reduction import (
 )
 from mpistrategy.collectives.tensor_parallel import copy_to_parallel, reduce_from_parallel
 from mpistrategy.comm.allocator import tune_malloc
-from mpistrategy.comm.checks import set_validation, validation_enabled
+from mpistrategy.comm.checks import set_validation, validation, validation_enabled
 from mpistrategy.comm.communicator import Communicator, world
 from mpistrategy.comm.errors import CommunicationError
 
@@ -62,6 +62,7 @@ __all__ = [
     "send",
     "sendrecv",
     "set_validation",
+    "validation",
     "validation_enabled",
     "wait_backward_sends",
     "world",

@@ -10,10 +10,12 @@ it off for production runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 
 import numpy as np
 import torch
@@ -24,17 +26,33 @@ from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.errors import CommunicationError
 
 _validation = os.environ.get("MPISTRATEGY_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
+_scoped: ContextVar[bool | None] = ContextVar("mpistrategy_validation", default=None)
 
 
 def set_validation(enabled: bool) -> None:
-    """Turn the cross-rank agreement checks on or off (on every rank alike)."""
+    """Turn the cross-rank agreement checks on or off for the whole process (on every rank alike)."""
     global _validation
     _validation = bool(enabled)
 
 
 def validation_enabled() -> bool:
     """Whether ops check that all ranks agree on shapes, dtypes and roots before communicating."""
-    return _validation
+    scoped = _scoped.get()
+    return _validation if scoped is None else scoped
+
+
+@contextlib.contextmanager
+def validation(enabled: bool) -> Iterator[None]:
+    """Turn the cross-rank checks on or off inside a ``with`` block, for the current thread (or task) only.
+
+    For code that has checked once what it will communicate (the strategy's gradient buckets, built and agreed
+    on once) and issues many ops after that; every rank must enter the block alike.
+    """
+    token = _scoped.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
 
 
 def check_rank(value: int, comm: Communicator, what: str, role: str = "root") -> int:
@@ -86,7 +104,7 @@ def agree(comm: Communicator, what: str, local: Sequence[int], describe: str = "
     digest collision). Only when they differ does a second exchange, an allgather of the signatures, name what
     each rank passed. A no-op when validation is off or the communicator has one rank.
     """
-    if not _validation or comm.size == 1:
+    if comm.size == 1 or not validation_enabled():
         return
     local = [int(v) for v in local]
     digest = _digest(local)

@@ -33,15 +33,14 @@ Limitations: sparse gradients are not supported; ``create_graph=True`` (double b
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBucket, Work
-from mpistrategy.comm.checks import set_validation, validation_enabled
+from mpistrategy.comm.checks import validation
 from mpistrategy.strategy.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -51,23 +50,6 @@ _MB = 1024 * 1024
 
 class BucketLayoutError(RuntimeError):
     """Ranks built different gradient buckets: the models differ between ranks."""
-
-
-@contextlib.contextmanager
-def _unvalidated() -> Iterator[None]:
-    """Skip the per-op cross-rank checks for bucket operations: the layout was checked once when it was built.
-
-    The per-op check is a blocking allgather; inside backward it would turn every non-blocking start into a
-    synchronisation point.
-    """
-    enabled = validation_enabled()
-    if enabled:
-        set_validation(False)
-    try:
-        yield
-    finally:
-        if enabled:
-            set_validation(True)
 
 
 def assign_buckets(
@@ -233,7 +215,7 @@ class GradientReducer:
     def _start_ready(self) -> None:
         """Start, in order, every bucket from the next one on that is ready (or has nothing to send)."""
         count = len(self.buckets)
-        with _unvalidated():
+        with validation(False):  # the layout was agreed on once, when it was built
             while self._next < count and self._pending[self._next] <= 0:
                 if self._active_count[self._next]:
                     self._works[self._next] = self.aggregator.start(self.buckets[self._next])
@@ -253,7 +235,7 @@ class GradientReducer:
         if not self._armed:
             return
         self._armed = False
-        with _unvalidated():
+        with validation(False):  # the layout was agreed on once, when it was built
             for index in range(self._next, len(self.buckets)):
                 if not self._active_count[index]:
                     continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -128,12 +130,26 @@ def test_mismatched_shapes_raise_communication_error_on_every_rank() -> None:
     assert torch.equal(ms.allreduce(torch.ones(2)), torch.full((2,), float(size())))
 
 
-def test_agree_accepts_long_signatures() -> None:
-    """Signatures longer than one row (reduce_scatter_v's sizes on many ranks) are folded into a digest."""
+def test_agree_on_long_signatures_names_every_ranks_values() -> None:
     agree(ms.world(), "test", list(range(100)))
     if size() > 1:
-        with pytest.raises(CommunicationError, match="disagree"):
+        with pytest.raises(CommunicationError, match=r"rank 0: \(0, 1, .*rank 1: \(0, 1, .*98, 1\)"):
             agree(ms.world(), "test", [*range(99), rank()])
+        with pytest.raises(CommunicationError, match="disagree"):  # -1 and -2 hash alike in Python: not here
+            agree(ms.world(), "test", [-1 - rank() % 2])
+
+
+def test_validation_block_is_scoped_to_its_thread() -> None:
+    seen: list[bool] = []
+    with ms.validation(False):
+        assert not ms.validation_enabled()
+        worker = threading.Thread(target=lambda: seen.append(ms.validation_enabled()))
+        worker.start()
+        worker.join()
+    assert ms.validation_enabled() and seen == [True]
+    if size() > 1:
+        with pytest.raises(CommunicationError, match="disagree"):
+            ms.allreduce(torch.ones(1 + rank()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
