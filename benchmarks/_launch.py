@@ -71,9 +71,9 @@ def median_seconds(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def save(name: str, payload: dict) -> Path:
-    """Write ``payload`` to benchmarks/results/<name>.json and return the path."""
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def save(name: str, payload: dict, directory: Path = RESULTS) -> Path:
+    """Write ``payload`` to ``directory``/<name>.json (default benchmarks/results) and return the path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import ensure_mpi, init_gloo, median_seconds, save  # noqa: E402
+from _launch import RESULTS, ensure_mpi, init_gloo, median_seconds, save  # noqa: E402
 
 SIZES = [1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
 TARGET_LARGE_VS_MPI4PY = 1.05
@@ -107,6 +108,7 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
 
     calls = 100 if nbytes <= 1 << 16 else (20 if nbytes <= 1 << 22 else 4)
     repeats = 5 if quick else 9
+
     def ours_unchecked():
         with ms.validation(False):
             ours()
@@ -169,6 +171,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
     parser.add_argument("--no-validation", action="store_true", help="switch off the cross-rank agreement checks")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
     args = parser.parse_args()
     ensure_mpi(args.ranks)
 
@@ -207,7 +210,7 @@ def main() -> None:
     if comm.rank == 0:
         _summarise(rows, floor)
         payload = {"ranks": comm.size, "validation": ms.validation_enabled(), "autograd_floor": floor, "rows": rows}
-        path = save("collectives", payload)
+        path = save("collectives", payload, args.results)
         _plot(rows, path.with_suffix(".png"))
         print(f"results: {path} and {path.with_suffix('.png')}")
 

@@ -20,7 +20,8 @@ Trainer runs are timed by a callback (time between consecutive ``on_train_batch_
 including data loading and every Lightning hook); the loops time whole iterations the same way. The contenders
 run in interleaved rounds, so that background load hits them alike; each round's first ``--warmup`` steps are
 dropped and its median step time kept. Reported: per contender the median over rounds (and the range), and each
-ratio as the median over rounds of the per-round ratio (and its range). Writes benchmarks/results/strategy.json.
+ratio as the median over rounds of the per-round ratio (and its range). The order of the contenders rotates from
+round to round. Writes benchmarks/results/strategy.json.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import ensure_mpi, save  # noqa: E402
+from _launch import RESULTS, ensure_mpi, save  # noqa: E402
 
 TARGET_VS_DDP = 0.8
 TARGET_VS_HAND = 1.05
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of every round")
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 20 steps")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds = 20, 3
@@ -72,9 +75,11 @@ def main() -> None:
         "hand_cat": _hand_run(True),
     }
     rounds: list[dict[str, float]] = []
-    for _ in range(args.rounds):
+    order = list(contenders.items())
+    for index in range(args.rounds):
         medians_of_round = {}
-        for name, run in contenders.items():
+        shift = index % len(order)  # rotate, so that no contender always runs after the same one
+        for name, run in order[shift:] + order[:shift]:
             comm.Barrier()
             medians_of_round[name] = statistics.median(run(args.steps)[args.warmup :]) * 1e3
         rounds.append(medians_of_round)
@@ -85,6 +90,7 @@ def main() -> None:
     medians = {name: statistics.median(r[name] for r in rounds) for name in contenders}
     ratio_ddp = _paired(rounds, "mpi_ad", "ddp")
     ratio_hand = _paired(rounds, "mpi_ad", "hand")
+    ratio_cat = _paired(rounds, "mpi_ad", "hand_cat")
     print(f"\nmpi_ad strategy benchmark: {size} ranks, {threads} torch thread(s) per rank, MLP 784-1024-1024-10,")
     print(f"batch {BATCH} per rank, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up)\n")
     print(f"{'contender':<10} {'median ms/step':>15} {'range over rounds':>20}")
@@ -98,6 +104,7 @@ def main() -> None:
     ):
         verdict = "met" if ratio <= target else "MISSED"
         print(f"{label} = {ratio:.2f}  ({low:.2f} - {high:.2f})   target <= {target}: {verdict}")
+    print(f"mpi_ad / hand_cat = {ratio_cat[0]:.2f}  ({ratio_cat[1]:.2f} - {ratio_cat[2]:.2f})   (the torch.cat loop)")
     path = save(
         "strategy",
         {
@@ -110,10 +117,31 @@ def main() -> None:
             "median_ms_per_step": medians,
             "mpi_ad_vs_ddp": ratio_ddp[0],
             "mpi_ad_vs_hand": ratio_hand[0],
+            "mpi_ad_vs_hand_cat": ratio_cat[0],
             "targets": {"vs_ddp": TARGET_VS_DDP, "vs_hand": TARGET_VS_HAND},
         },
+        args.results,
     )
-    print(f"wrote {path}")
+    _plot(rounds, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def _plot(rounds: list[dict[str, float]], path: Path) -> None:
+    """Box plot of every contender's per-round median ms/step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rounds[0])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.boxplot([[r[name] for r in rounds] for name in names])
+    ax.set_xticks(range(1, len(names) + 1), names)
+    ax.set_ylabel("median ms per step (one point per round)")
+    ax.set_title("MLP 784-1024-1024-10, batch 64 per rank, 2 ranks")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _paired(rounds: list[dict[str, float]], name: str, reference: str) -> tuple[float, float, float]:
