@@ -76,6 +76,8 @@ class MPIADStrategyConf:
     _target_: str = "recipes.builders.mpi_ad_strategy"
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
+    #: a gradient of at least this many MB is its own bucket, combined in place where autograd put it
+    own_bucket_mb: float = 1.0
     abort_on_exception: bool = True
     #: signals that stop every rank together at the same step (after a checkpoint): SLURM's time-limit warning
     #: (--signal=USR1@<s>) and scancel/preemption (SIGTERM)

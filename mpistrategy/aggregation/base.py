@@ -55,6 +55,10 @@ class GradBucket:
         names: the parameters' qualified names, in buffer order.
         offsets: where each parameter's gradient starts in ``buffer``.
         numels: how many elements each parameter's gradient has.
+        own_gradient: the bucket holds one large parameter and ``buffer`` is that parameter's own ``.grad``
+            (flattened): it is combined in place where autograd put it, with no flat copy. It can be a different
+            tensor from one backward pass to the next (after ``zero_grad(set_to_none=True)`` autograd stores a
+            new one); its shape, dtype and device never change.
     """
 
     index: int
@@ -64,6 +68,7 @@ class GradBucket:
     numels: list[int]
     params: list[torch.nn.Parameter] = field(repr=False)
     views: list[torch.Tensor] = field(repr=False)
+    own_gradient: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -57,6 +57,9 @@ class MPIADStrategyMixin:
             uses 1 MB so that communication starts early; with MPI, whose non-blocking collectives progress only
             inside MPI calls, that early start bought no measurable overlap on CPU while the extra collective
             cost about 0.2 ms per step on the benchmark MLP (see benchmarks/strategy.py), so it is opt-in.
+        own_bucket_mb: a parameter whose gradient has at least this many MB is its own bucket and is combined in
+            place in the ``.grad`` autograd produced: no flat buffer, no zeroing and no accumulation pass per step
+            (``math.inf`` puts every gradient into flat buckets).
         abort_on_exception: abort every rank when one raises (prints the traceback first). Turn off only for a
             deliberate, identical exception on every rank that the script catches.
         stop_signals: signals that trigger a coordinated stop (default SIGTERM and SIGUSR1); ``()`` leaves
@@ -84,6 +87,7 @@ class MPIADStrategyMixin:
         aggregator: Aggregator | None = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
+        own_bucket_mb: float = 1.0,
         abort_on_exception: bool = True,
         stop_signals: Iterable[int] = _DEFAULT_STOP_SIGNALS,
         checkpoint_on_stop: bool = True,
@@ -101,6 +105,7 @@ class MPIADStrategyMixin:
         self.aggregator: Aggregator = aggregator if aggregator is not None else MeanAggregator()
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.own_bucket_mb = own_bucket_mb
         self.abort_on_exception = abort_on_exception
         self.checkpoint_on_stop = checkpoint_on_stop
         self.set_num_threads = set_num_threads
@@ -194,7 +199,12 @@ class MPIADStrategyMixin:
             self.setup_optimizers(trainer)
             if self.world_size > 1:
                 self._reducer = GradientReducer(
-                    self.model, self.aggregator, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb
+                    self.model,
+                    self.aggregator,
+                    self.topology,
+                    self.bucket_cap_mb,
+                    self.first_bucket_cap_mb,
+                    self.own_bucket_mb,
                 )
             if self._aggregator_state is not None:
                 self.aggregator.load_state_dict(self._aggregator_state)

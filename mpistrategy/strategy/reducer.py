@@ -7,12 +7,19 @@ early; here it defaults to the others' cap), the others at ``bucket_cap_mb`` (25
 parameter's ``.grad`` is a view into its bucket, so the combined result lands directly in ``.grad``: nothing is
 flattened before or copied back after communication.
 
+A parameter of at least ``own_bucket_mb`` (1 MB) gets a bucket of its own whose buffer *is* its ``.grad``
+(Horovod reduces tensors above its fusion threshold the same way): autograd's fresh gradient after
+``zero_grad(set_to_none=True)`` is combined in place where autograd stored it, so these gradients are neither
+zeroed nor accumulated into a flat buffer each step (four passes over their memory fewer). Fusing gains nothing
+at that size: one message per megabyte costs microseconds of latency.
+
 Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientReducer.wait`):
 
-- The optimizers' ``zero_grad`` (see :meth:`GradientReducer.attach_optimizer`) zero the buckets in place, so
+- The optimizers' ``zero_grad`` (see :meth:`GradientReducer.attach_optimizer`) zero the flat buckets in place, so
   ``.grad`` stay views and autograd accumulates into them in place. Whenever ``.grad`` is not the bucket view all
   the same (the first step, or ``zero_grad(set_to_none=True)`` called on the module), the
-  ``register_post_accumulate_grad_hook`` copies it into the view once and re-points ``.grad``.
+  ``register_post_accumulate_grad_hook`` copies it into the view once and re-points ``.grad``; an own-gradient
+  bucket instead adopts the new ``.grad`` as its buffer.
 - That hook also counts: when a bucket's last gradient lands, the bucket is handed to the
   :class:`~mpistrategy.aggregation.Aggregator` (non-blocking). Buckets are started strictly in index order on
   every rank (a ready bucket waits for the ones before it), because MPI matches collectives on a communicator by
@@ -34,6 +41,7 @@ Limitations: sparse gradients are not supported; ``create_graph=True`` (double b
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -53,18 +61,29 @@ class BucketLayoutError(RuntimeError):
 
 
 def assign_buckets(
-    params: Sequence[tuple[str, nn.Parameter]], bucket_cap_mb: float, first_bucket_cap_mb: float
+    params: Sequence[tuple[str, nn.Parameter]],
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float,
+    own_bucket_mb: float = math.inf,
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """Group ``params`` (already in launch order) into buckets by dtype and device with the size caps."""
+    """Group ``params`` (already in launch order) into buckets by dtype and device with the size caps.
+
+    A contiguous parameter of at least ``own_bucket_mb`` gets a bucket of its own, placed where it comes in the
+    launch order; the flat buckets around it stay open, so that small parameters still share one message.
+    """
     buckets: list[list[tuple[str, nn.Parameter]]] = []
     open_buckets: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     cap = first_bucket_cap_mb * _MB
     for name, param in params:
+        nbytes = param.numel() * param.element_size()
+        if nbytes >= own_bucket_mb * _MB and param.is_contiguous():
+            buckets.append([(name, param)])
+            continue
         key = (param.dtype, param.device)
         bucket = open_buckets.setdefault(key, [])
         bucket.append((name, param))
-        sizes[key] = sizes.get(key, 0) + param.numel() * param.element_size()
+        sizes[key] = sizes.get(key, 0) + nbytes
         if sizes[key] >= cap:
             buckets.append(open_buckets.pop(key))
             sizes.pop(key)
@@ -93,12 +112,14 @@ class GradientReducer:
         topology: Topology,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
+        own_bucket_mb: float = 1.0,
     ) -> None:
         self.module = module
         self.aggregator = aggregator
         self.topology = topology
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
+        self.own_bucket_mb = own_bucket_mb
         self.buckets: list[GradBucket] = []
         self._named = self._all_parameters()
         self._covered: set[int] = set()
@@ -127,7 +148,9 @@ class GradientReducer:
         self._remove_hooks()
         chosen = [(n, p) for n, p in self._named if p.requires_grad or id(p) in self._covered]
         self._covered = {id(p) for _, p in chosen}
-        groups = assign_buckets(list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb)
+        groups = assign_buckets(
+            list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
+        )
         self.buckets = []
         for index, group in enumerate(groups):
             numels = [p.numel() for _, p in group]
@@ -140,7 +163,8 @@ class GradientReducer:
                 if param.grad is not None:
                     view.copy_(param.grad)
                     param.grad = view
-            bucket = GradBucket(index, buffer, [n for n, _ in group], offsets, numels, params, views)
+            own = len(group) == 1 and numels[0] * first.element_size() >= self.own_bucket_mb * _MB
+            bucket = GradBucket(index, buffer, [n for n, _ in group], offsets, numels, params, views, own)
             self.buckets.append(bucket)
             for position, param in enumerate(params):
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, position)))
@@ -151,7 +175,7 @@ class GradientReducer:
         log.debug("GradientReducer: %s", self)
 
     def _check_layout(self) -> None:
-        local = [(b.buffer.numel(), str(b.buffer.dtype), len(b.names)) for b in self.buckets]
+        local = [(sum(b.numels), str(b.buffer.dtype), len(b.names)) for b in self.buckets]
         everyone = self.topology.control.allgather(local)
         if any(layout != local for layout in everyone):
             listing = "; ".join(
@@ -194,16 +218,14 @@ class GradientReducer:
 
     def _on_grad_ready(self, index: int, position: int, param: torch.Tensor) -> None:
         bucket = self.buckets[index]
-        view = bucket.views[position]
         grad = param.grad
-        if grad is not view and grad is not None:
+        if grad is not bucket.views[position] and grad is not None:
             if grad.is_sparse:
                 raise RuntimeError(
                     f"parameter {bucket.names[position]!r} has a sparse gradient, which the mpi_ad strategy does "
                     "not support; use a dense gradient (for example nn.Embedding(sparse=False))."
                 )
-            view.copy_(grad)
-            param.grad = view
+            self._place(bucket, position, param, grad)
         if not self._armed or self._pending[index] <= 0:
             return
         self._pending[index] -= 1
@@ -253,17 +275,26 @@ class GradientReducer:
     def _adopt_gradients(self, index: int) -> None:
         """Point the ``.grad`` of a bucket's active parameters that got no gradient this pass at the bucket."""
         bucket = self.buckets[index]
-        for active, param, view in zip(self._active[index], bucket.params, bucket.views, strict=True):
-            if not active:
-                continue
+        for position, (active, param) in enumerate(zip(self._active[index], bucket.params, strict=True)):
             grad = param.grad
-            if grad is view:
+            if not active or grad is bucket.views[position]:
                 continue
-            if grad is None:
-                view.zero_()
-            else:
-                view.copy_(grad)
-            param.grad = view
+            if grad is None and not bucket.own_gradient:
+                param.grad = bucket.views[position].zero_()
+                continue
+            self._place(bucket, position, param, torch.zeros_like(param) if grad is None else grad)
+
+    @staticmethod
+    def _place(bucket: GradBucket, position: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Make ``grad`` (a gradient autograd stored outside the bucket) the bucket's: in a flat bucket it is
+        copied into its view; an own-gradient bucket adopts the tensor itself (contiguous), with no copy."""
+        if bucket.own_gradient:
+            grad = grad.contiguous()
+            bucket.buffer, bucket.views[0] = grad.view(-1), grad
+        else:
+            bucket.views[position].copy_(grad)
+            grad = bucket.views[position]
+        param.grad = grad
 
     # ------------------------------------------------------------------------------------------- zero_grad
 
@@ -290,7 +321,8 @@ class GradientReducer:
             self._patched.append((target, had_attribute))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, original, set_to_none: bool = True) -> None:
-        """Zero ``optimizer``'s bucketed gradients in place (whole buffers where it owns a whole bucket)."""
+        """Zero ``optimizer``'s gradients in flat buckets in place (whole buffers where it owns a whole bucket);
+        other gradients, own-gradient buckets included, are reset as the optimizer would (``None`` or zero)."""
         buffers, views, others = self._zero_plan(optimizer)
         for buffer in buffers:
             buffer.zero_()
@@ -310,7 +342,7 @@ class GradientReducer:
         if plan is None:
             owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
             buffers, views, bucketed = [], [], set()
-            for bucket in self.buckets:
+            for bucket in (b for b in self.buckets if not b.own_gradient):  # those follow the optimizer's rule
                 mine = [id(p) in owned for p in bucket.params]
                 bucketed |= {id(p) for p in bucket.params}
                 if all(mine):

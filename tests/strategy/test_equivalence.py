@@ -40,13 +40,14 @@ class CountingMean(MeanAggregator):
 @pytest.mark.mpi(ranks=(2, 3, 4), timeout=120)
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_matches_single_process_large_batch(accumulate: int, clip: float | None) -> None:
+@pytest.mark.parametrize("own_bucket_mb", [1.0, 0.0], ids=["flat-buckets", "own-gradient-buckets"])
+def test_matches_single_process_large_batch(accumulate: int, clip: float | None, own_bucket_mb: float) -> None:
     samples = SIZE * PER_RANK_BATCH * accumulate * STEPS
     data = regression_data(samples)
     model = Regressor(mlp(seed=1), lr=0.2, momentum=0.9)
     options = {"gradient_clip_val": clip} if clip is not None else {}
     counting = CountingMean()
-    strategy = MPIADStrategy(aggregator=counting)
+    strategy = MPIADStrategy(aggregator=counting, own_bucket_mb=own_bucket_mb)
     fit = trainer(strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accumulate, **options)
     fit.fit(model, loader(data, PER_RANK_BATCH))
     assert fit.global_step == STEPS

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -17,8 +19,19 @@ def _net(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3)).double()
 
 
-def _reducer(net: nn.Module, cap_mb: float = 0.002) -> GradientReducer:
-    return GradientReducer(net, MeanAggregator(), topology(), bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb / 4)
+#: own_bucket_mb values: every gradient in flat buckets, or every gradient its own bucket (combined in place)
+LAYOUTS = {"flat": math.inf, "own": 0.0}
+
+
+def _reducer(net: nn.Module, cap_mb: float = 0.002, own_bucket_mb: float = math.inf) -> GradientReducer:
+    return GradientReducer(
+        net,
+        MeanAggregator(),
+        topology(),
+        bucket_cap_mb=cap_mb,
+        first_bucket_cap_mb=cap_mb / 4,
+        own_bucket_mb=own_bucket_mb,
+    )
 
 
 def _backward(reducer: GradientReducer, loss: torch.Tensor, sync: bool = True) -> None:
@@ -41,10 +54,19 @@ def test_assign_buckets_caps_and_order() -> None:
     assert len(assign_buckets(mixed, 25, 1)) == 2  # one dtype per bucket
 
 
+def test_large_parameters_get_their_own_bucket_in_launch_order() -> None:
+    sizes = {"small0": 256, "large1": 4096, "small2": 256, "strided": 4096, "large4": 8192}  # float32 elements
+    params = [(n, nn.Parameter(torch.zeros(k))) for n, k in sizes.items()]
+    params[3] = ("strided", nn.Parameter(torch.zeros(2, 4096)[:, ::2].t()))  # 16 KB, not contiguous
+    groups = assign_buckets(params, bucket_cap_mb=25, first_bucket_cap_mb=25, own_bucket_mb=16 / 1024)
+    assert [[n for n, _ in g] for g in groups] == [["large1"], ["large4"], ["small0", "small2", "strided"]]
+
+
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
-def test_gradients_are_views_and_averaged_during_backward() -> None:
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gradients_are_views_and_averaged_during_backward(layout: str) -> None:
     net = _net()
-    reducer = _reducer(net)
+    reducer = _reducer(net, own_bucket_mb=LAYOUTS[layout])
     assert len(reducer.buckets) >= 3
     full, mine = _rank_batch()
     _backward(reducer, net(mine).pow(2).sum() * (1 + RANK))
@@ -65,9 +87,10 @@ def test_gradients_are_views_and_averaged_during_backward() -> None:
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
-def test_accumulation_without_sync_then_sync() -> None:
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_accumulation_without_sync_then_sync(layout: str) -> None:
     net = _net()
-    reducer = _reducer(net)
+    reducer = _reducer(net, own_bucket_mb=LAYOUTS[layout])
     full, mine = _rank_batch()
     _backward(reducer, net(mine).sum(), sync=False)
     local = torch.cat([p.grad.reshape(-1) for p in net.parameters()]).clone()
@@ -80,11 +103,12 @@ def test_accumulation_without_sync_then_sync() -> None:
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
-def test_parameter_unused_on_some_ranks_does_not_hang() -> None:
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_parameter_unused_on_some_ranks_does_not_hang(layout: str) -> None:
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
     net = nn.ModuleDict({"a": a, "b": b})
-    reducer = GradientReducer(net, MeanAggregator(), topology(), bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    reducer = _reducer(net, cap_mb=1e-5, own_bucket_mb=LAYOUTS[layout])
     x = torch.ones(2, 4, dtype=torch.float64)
     _backward(reducer, a(x).sum() if RANK % 2 == 0 else b(x).sum())  # even ranks never touch b, odd never a
     ranks_using_b = len([r for r in range(SIZE) if r % 2 == 1])
@@ -118,3 +142,32 @@ def test_different_models_raise_clearly() -> None:
     net = nn.Linear(3, 2 + RANK)
     with pytest.raises(BucketLayoutError, match="ranks built different gradient buckets"):
         _reducer(net)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_own_gradient_buckets_combine_the_gradient_autograd_stored(set_to_none: bool) -> None:
+    """A large gradient is its own bucket: after zero_grad(set_to_none=True) autograd stores a fresh gradient and
+    the bucket adopts that very tensor (no zeroing, no copy); with set_to_none=False it is zeroed in place."""
+    net = _net()
+    reducer = _reducer(net, cap_mb=25, own_bucket_mb=16 / 1024)  # the 64x64 float64 weight (32 KB) only
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    reducer.attach_optimizer(optimizer)
+    weight = net[2].weight
+    own = [b for b in reducer.buckets if b.own_gradient]
+    assert len(own) == 1 and own[0].params[0] is weight and len(own[0].params) == 1
+    full, mine = _rank_batch()
+    ref = _net()
+    for rank in range(SIZE):
+        (ref(full[rank * 3 : rank * 3 + 3]).pow(2).sum() * (1 + rank) / SIZE).backward()
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        before = weight.grad
+        if step:  # before the first backward there is no gradient either way
+            assert (before is None) == set_to_none and (set_to_none or torch.count_nonzero(before) == 0)
+        _backward(reducer, net(mine).pow(2).sum() * (1 + RANK))
+        assert own[0].buffer.data_ptr() == weight.grad.data_ptr() and own[0].buffer.numel() == weight.numel()
+        assert set_to_none or not step or weight.grad is before, "zero_grad(set_to_none=False) replaced the tensor"
+        torch.testing.assert_close(weight.grad, ref[2].weight.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(net[0].bias.grad, ref[0].bias.grad, rtol=1e-12, atol=1e-12)
+    reducer.remove()
