@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -48,27 +49,35 @@ def init_gloo() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
 
 
-def median_seconds(
+def time_interleaved(
     runs: dict[str, Callable[[], object]], repeats: int, calls: int, barrier: Callable[[], None]
-) -> dict[str, float]:
-    """Median seconds per call of each function, timing blocks of ``calls`` calls, interleaved over ``repeats``.
+) -> dict[str, list[float]]:
+    """Seconds per call of each function in each of ``repeats`` interleaved blocks of ``calls`` calls.
 
-    The order of the functions rotates from one repeat to the next, so that none always follows the same one
-    (a contender that leaves caches cold or threads busy would otherwise always slow down the same successor).
+    Every repeat runs the functions in a new order (a seeded shuffle, the same on every rank), so that none
+    always follows the same one: a contender that leaves caches cold, memory unmapped or threads busy would
+    otherwise always slow down the same successor.
     """
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
         run()
     order = list(runs.items())
-    for repeat in range(repeats):
-        shift = repeat % len(order)
-        for name, run in order[shift:] + order[:shift]:
+    shuffler = random.Random(0)
+    for _ in range(repeats):
+        shuffler.shuffle(order)
+        for name, run in order:
             barrier()
             start = time.perf_counter()
             for _ in range(calls):
                 run()
             samples[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
+
+
+def paired_ratio(samples: dict[str, list[float]], name: str, reference: str) -> float:
+    """Median over repeats of ``name``'s time divided by ``reference``'s in the same repeat (slow drifts of a
+    shared machine hit both alike and cancel)."""
+    return statistics.median(a / b for a, b in zip(samples[name], samples[reference], strict=True))
 
 
 def save(name: str, payload: dict, directory: Path = RESULTS) -> Path:

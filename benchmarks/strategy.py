@@ -20,14 +20,15 @@ Trainer runs are timed by a callback (time between consecutive ``on_train_batch_
 including data loading and every Lightning hook); the loops time whole iterations the same way. The contenders
 run in interleaved rounds, so that background load hits them alike; each round's first ``--warmup`` steps are
 dropped and its median step time kept. Reported: per contender the median over rounds (and the range), and each
-ratio as the median over rounds of the per-round ratio (and its range). The order of the contenders rotates from
-round to round. Writes benchmarks/results/strategy.json.
+ratio as the median over rounds of the per-round ratio (and its range). The contenders run in a new (seeded) order
+every round. Writes benchmarks/results/strategy.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import statistics
 import sys
@@ -76,10 +77,11 @@ def main() -> None:
     }
     rounds: list[dict[str, float]] = []
     order = list(contenders.items())
-    for index in range(args.rounds):
+    shuffler = random.Random(0)  # the same order on every rank
+    for _ in range(args.rounds):
         medians_of_round = {}
-        shift = index % len(order)  # rotate, so that no contender always runs after the same one
-        for name, run in order[shift:] + order[:shift]:
+        shuffler.shuffle(order)  # so that no contender always runs after the same one
+        for name, run in order:
             comm.Barrier()
             medians_of_round[name] = statistics.median(run(args.steps)[args.warmup :]) * 1e3
         rounds.append(medians_of_round)
