@@ -15,32 +15,22 @@ neither step. Use it with ``trainer.use_distributed_sampler=false`` and ``data.s
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
-from mpistrategy.strategy import mpi_ad as _mpi_ad
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 
 
-@contextlib.contextmanager
-def _without_replication() -> Iterator[None]:
-    """While mpi_ad's ``setup`` runs: no initial parameter broadcast, no gradient reducer."""
-    sync, reducer = _mpi_ad.sync, _mpi_ad.GradientReducer
-    _mpi_ad.sync = SimpleNamespace(**{**vars(sync), "broadcast_module_state": lambda *args, **kwargs: None})
-    _mpi_ad.GradientReducer = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        _mpi_ad.sync, _mpi_ad.GradientReducer = sync, reducer
-
-
 class ModelParallelMPIStrategy(MPIADStrategy):
-    """mpi_ad without the initial broadcast and without gradient averaging (see the module docstring)."""
+    """mpi_ad with ``data_parallel=False``: no initial broadcast and no gradient averaging (see the module
+    docstring)."""
 
     strategy_name = "mpi_ad_model_parallel"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, data_parallel=False, **kwargs)
+
     def setup(self, trainer: Any) -> None:
-        with _without_replication():
-            super().setup(trainer)
+        super().setup(trainer)
+        from lightning_utilities.core.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = self.global_rank

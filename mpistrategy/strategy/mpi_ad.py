@@ -60,6 +60,10 @@ class MPIADStrategyMixin:
         own_bucket_mb: a parameter whose gradient has at least this many MB is its own bucket and is combined in
             place in the ``.grad`` autograd produced: no flat buffer, no zeroing and no accumulation pass per step
             (``math.inf`` puts every gradient into flat buckets).
+        data_parallel: broadcast rank 0's parameters and buffers at setup and average the gradients (data
+            parallelism). ``False`` for a model split across the ranks (tensor or pipeline parallel, where each
+            rank's parameters and gradients are its own slice): no broadcast, no gradient reducer; checkpoints,
+            metrics, failure handling and stop signals stay as they are.
         abort_on_exception: abort every rank when one raises (prints the traceback first). Turn off only for a
             deliberate, identical exception on every rank that the script catches.
         stop_signals: signals that trigger a coordinated stop (default SIGTERM and SIGUSR1); ``()`` leaves
@@ -88,6 +92,7 @@ class MPIADStrategyMixin:
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         own_bucket_mb: float = 1.0,
+        data_parallel: bool = True,
         abort_on_exception: bool = True,
         stop_signals: Iterable[int] = _DEFAULT_STOP_SIGNALS,
         checkpoint_on_stop: bool = True,
@@ -106,6 +111,7 @@ class MPIADStrategyMixin:
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.own_bucket_mb = own_bucket_mb
+        self.data_parallel = data_parallel
         self.abort_on_exception = abort_on_exception
         self.checkpoint_on_stop = checkpoint_on_stop
         self.set_num_threads = set_num_threads
@@ -193,11 +199,12 @@ class MPIADStrategyMixin:
             self._layer_sync_applied = layer_sync
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        sync.broadcast_module_state(self.model, self.topology.control)
+        if self.data_parallel:
+            sync.broadcast_module_state(self.model, self.topology.control)
         self._attach_metric_sync()
         if fitting:
             self.setup_optimizers(trainer)
-            if self.world_size > 1:
+            if self.world_size > 1 and self.data_parallel:
                 self._reducer = GradientReducer(
                     self.model,
                     self.aggregator,

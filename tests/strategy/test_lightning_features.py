@@ -14,6 +14,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
 
 from mpistrategy.strategy.environment import MPIEnvironment
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from tests.strategy.helpers import (
     COMM,
     RANK,
@@ -217,6 +218,20 @@ def test_parameters_and_buffers_broadcast_at_setup() -> None:
     fit.fit(model, loader(regression_data(SIZE * 4), 2))
     for key, value in net.state_dict().items():
         torch.testing.assert_close(value, rank0[key], msg=f"{key} was not broadcast from rank 0")
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_without_data_parallelism_each_rank_keeps_its_own_parameters_and_gradients() -> None:
+    """``data_parallel=False`` (models split across ranks): no broadcast at setup, no gradient averaging."""
+    data = regression_data(8 * 2)
+    model = Regressor(mlp(seed=10 + RANK), lr=0.3)
+    fit = trainer(strategy=MPIADStrategy(data_parallel=False), max_steps=2, use_distributed_sampler=False)
+    fit.fit(model, loader(data, 8))
+    assert fit.strategy.reducer is None
+    alone = reference_sgd(mlp(seed=10 + RANK), data, 8, 2, lr=0.3)  # this rank's model trained on its own
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(alone), rtol=1e-12, atol=1e-12)
+    everyone = COMM.allgather(flat_parameters(model))
+    assert not torch.equal(everyone[0], everyone[1]), "the ranks' parameters were synchronised"
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
