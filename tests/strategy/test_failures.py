@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.mpi_harness import clean_environ
+from tests.mpi_harness import clean_environ, launcher
 
 SCRIPT = Path(__file__).parent / "scripts" / "failing_job.py"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 RANKS = 3
 LIMIT = 30.0  # seconds from the failure to the end of the job
 STARTUP = 240.0  # generous: three ranks import torch and Lightning on a loaded 2-core machine
@@ -33,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 def _start(mode: str, directory: str) -> subprocess.Popen:
     env = clean_environ()
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
-    command = [str(MPIEXEC), "-n", str(RANKS), sys.executable, str(SCRIPT), mode, directory]
+    command = [*launcher(), "-n", str(RANKS), sys.executable, str(SCRIPT), mode, directory]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
