@@ -60,6 +60,12 @@ class BucketLayoutError(RuntimeError):
     """Ranks built different gradient buckets: the models differ between ranks."""
 
 
+def owns_bucket(param: nn.Parameter, own_bucket_mb: float) -> bool:
+    """Whether ``param``'s gradient is its own bucket: at least ``own_bucket_mb`` and contiguous (so that its
+    ``.grad`` can serve as the flat buffer)."""
+    return param.numel() * param.element_size() >= own_bucket_mb * _MB and param.is_contiguous()
+
+
 def assign_buckets(
     params: Sequence[tuple[str, nn.Parameter]],
     bucket_cap_mb: float,
@@ -76,10 +82,10 @@ def assign_buckets(
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     cap = first_bucket_cap_mb * _MB
     for name, param in params:
-        nbytes = param.numel() * param.element_size()
-        if nbytes >= own_bucket_mb * _MB and param.is_contiguous():
+        if owns_bucket(param, own_bucket_mb):
             buckets.append([(name, param)])
             continue
+        nbytes = param.numel() * param.element_size()
         key = (param.dtype, param.device)
         bucket = open_buckets.setdefault(key, [])
         bucket.append((name, param))
@@ -163,7 +169,7 @@ class GradientReducer:
                 if param.grad is not None:
                     view.copy_(param.grad)
                     param.grad = view
-            own = len(group) == 1 and numels[0] * first.element_size() >= self.own_bucket_mb * _MB
+            own = len(group) == 1 and owns_bucket(first, self.own_bucket_mb)
             bucket = GradBucket(index, buffer, [n for n, _ in group], offsets, numels, params, views, own)
             self.buckets.append(bucket)
             for position, param in enumerate(params):
