@@ -26,10 +26,8 @@ class ModelParallelMPIStrategy(MPIADStrategy):
 
     strategy_name = "mpi_ad_model_parallel"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, data_parallel=False, **kwargs)
-
     def setup(self, trainer: Any) -> None:
+        self.data_parallel = False  # set here, so that the constructor keeps mpi_ad's signature for the configs
         super().setup(trainer)
         from lightning_utilities.core.rank_zero import rank_zero_only
 
