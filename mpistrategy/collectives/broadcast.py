@@ -79,10 +79,12 @@ def broadcast(
     comm = resolve(comm)
     check_rank(root, comm, "broadcast")
     meta = exchange_meta(tensor if comm.rank == root else None, comm.rank == root, root, comm.forward, "broadcast")
-    target = torch.device(device) if device is not None else (tensor.device if tensor is not None else None)
     if comm.rank == root:
         target = tensor.device
-    target = target or torch.device("cpu")
+    elif device is not None:
+        target = torch.device(device)
+    else:
+        target = tensor.device if tensor is not None else torch.device("cpu")
     problem = out_problem(out, meta.requires_grad, "broadcast")
     if problem is not None:  # take part in the broadcast, so that no rank waits for this one, then raise
         _receive(tensor, meta, target, root, comm)

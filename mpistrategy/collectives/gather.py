@@ -427,7 +427,7 @@ def _allgather_along(
     if dim == 0:  # the blocks are already where MPI puts them: receive straight into out
         return _allgather_front(tensor, sizes, comm.forward, out)
     gathered = from_front(_allgather_front(to_front(tensor, dim), sizes, comm.forward), dim)
-    return deliver(gathered, out, tensor.dtype, tensor.device, "allgather") if out is not None else gathered
+    return deliver(gathered, out, tensor.dtype, tensor.device, "allgather")
 
 
 class _Allgather(torch.autograd.Function):

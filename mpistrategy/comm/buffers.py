@@ -130,7 +130,12 @@ def cuda_aware() -> bool:
 
 def needs_staging(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` must be copied through host memory for MPI to see it."""
-    return not tensor.is_cpu and not (tensor.is_cuda and cuda_aware())
+    return not tensor.is_cpu and _staged_on(tensor.device)
+
+
+def _staged_on(device: torch.device) -> bool:
+    """Whether MPI cannot address memory on ``device``: any device but the CPU, unless CUDA and MPI is CUDA-aware."""
+    return device.type != "cpu" and not (device.type == "cuda" and cuda_aware())
 
 
 def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -142,14 +147,13 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     tensor = tensor.detach()
     if tensor.is_cpu and (dtype is None or dtype == tensor.dtype) and tensor.is_contiguous():
         return tensor
-    target_device = torch.device("cpu") if needs_staging(tensor) else tensor.device
+    target_device = _CPU if needs_staging(tensor) else tensor.device
     return tensor.to(device=target_device, dtype=dtype or tensor.dtype).contiguous()
 
 
 def empty_on_wire(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised receive buffer MPI can address, for a result that will live on ``device``."""
-    staged = device.type != "cpu" and not (device.type == "cuda" and cuda_aware())
-    return torch.empty(shape, dtype=dtype, device=_CPU if staged else device)
+    return torch.empty(shape, dtype=dtype, device=_CPU if _staged_on(device) else device)
 
 
 def off_wire(buffer: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
