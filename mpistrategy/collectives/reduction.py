@@ -37,6 +37,7 @@ from mpistrategy.comm.buffers import (
     receive_buffer,
     reduction_dtype,
     same_memory,
+    to_mean,
 )
 from mpistrategy.comm.checks import agree, agree_checked, check_dim, check_rank, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
@@ -69,7 +70,7 @@ def _run_allreduce(
 
     def finish() -> torch.Tensor:
         if op == "avg":
-            result.div_(size)
+            to_mean(result, size)
         return deliver(result, out, tensor.dtype, tensor.device, "allreduce")
 
     return Pending(requests, finish, keepalive=(send, result))
@@ -192,7 +193,7 @@ class _Reduce(torch.autograd.Function):
         result = torch.empty_like(send)
         comm.forward.Reduce(mpi_buffer(send), mpi_buffer(result), op=mpi_op(wire_dtype, op), root=root)
         if op == "avg":
-            result.div_(comm.size)
+            to_mean(result, comm.size)
         return off_wire(result, tensor.dtype, tensor.device)
 
     @staticmethod
@@ -242,7 +243,7 @@ def _reduce_scatter_front(
     counts = [s * row for s in sizes]
     channel.Reduce_scatter(mpi_buffer(send), mpi_buffer(result), counts, op=mpi_op(wire_dtype, op))
     if op == "avg":
-        result.div_(size)
+        to_mean(result, size)
     return off_wire(result, front.dtype, front.device)
 
 

@@ -11,6 +11,7 @@ it off for production runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import zlib
 from array import array
@@ -90,8 +91,12 @@ def grad_flag(tensor: object) -> int:
     return int(isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled())
 
 
-def _digest(values: Sequence[int]) -> int:
-    """A 63-bit digest of a signature (CRC-32 and Adler-32 of its int64 bytes; the same on every process)."""
+@functools.lru_cache(maxsize=4096)
+def _digest(values: tuple[int, ...]) -> int:
+    """A 63-bit digest of a signature (CRC-32 and Adler-32 of its int64 bytes; the same on every process).
+
+    Cached: a training loop repeats a few signatures, and an op then pays one dictionary lookup.
+    """
     data = array("q", values).tobytes()
     return ((zlib.crc32(data) & 0x7FFFFFFF) << 32) | zlib.adler32(data)
 
@@ -106,8 +111,7 @@ def agree(comm: Communicator, what: str, local: Sequence[int], describe: str = "
     """
     if comm.size == 1 or not validation_enabled():
         return
-    local = [int(v) for v in local]
-    digest = _digest(local)
+    digest = _digest(tuple(local))
     extremes = np.array([digest, -digest], dtype=np.int64)
     comm.forward.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
     if extremes[0] == -extremes[1]:
