@@ -10,13 +10,16 @@ For allreduce, broadcast and allgather of float32 messages from 1 KB to 64 MB it
   ``new`` (mpistrategy's op returning a new tensor: the cost of a fresh result) and ``no-val`` (``ours`` with
   the cross-rank argument validation switched off: the cost of that check);
 - forward+backward: ``ours`` (the autograd op, ``y.backward(g)``), ``mpi4py`` (the forward and the adjoint
-  collective by hand into preallocated buffers), ``gloo`` (torch.distributed.nn.functional).
+  collective by hand into preallocated buffers), ``gloo`` (torch.distributed.nn.functional), and for reference
+  ``floor``: the least any differentiable op can cost, a bare autograd.Function around the same mpi4py calls
+  writing into fresh tensors (autograd must return new tensors; no checks, no metadata).
 
 Prints medians per call and, for each ratio, the median over repeats of the ratio within a repeat (the
 contenders run back to back in every repeat, in a shuffled order), and checks the targets: at >= 1 MB ours within
-5% of mpi4py and >= 1.25x faster than gloo; at 1 KB ours adds <= 20 µs per forward call over mpi4py. A
-forward+backward call also pays torch's autograd engine, which no MPI tuning removes: the summary prints that
-floor (an identity autograd.Function, measured in the same run). Writes benchmarks/results/collectives.{json,png}.
+5% of mpi4py and >= 1.25x faster than gloo; at 1 KB ours adds <= 20 µs per forward call over mpi4py. For
+forward+backward it also prints ``ours/floor`` (mpistrategy's own cost) and ``floor/mpi4py`` (what torch's
+autograd engine and fresh result tensors cost, which no MPI layer removes). Writes
+benchmarks/results/collectives.{json,png}.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -108,6 +112,15 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
         xg.grad = None
         y.backward(grad)
 
+    floor_op = _minimal_autograd_op(op, comm, x.numel())
+
+    def floor():
+        y = floor_op.apply(xg if rank == 0 or op != "broadcast" else anchor)
+        xg.grad = None
+        anchor.grad = None
+        y.backward(grad)
+
+    anchor = torch.empty(0, requires_grad=True)
     calls = 100 if nbytes <= 1 << 16 else (20 if nbytes <= 1 << 22 else 4)
     repeats = 5 if quick else 15
 
@@ -117,7 +130,9 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
 
     validated = ms.validation_enabled()
     runs = {"ours": ours, "mpi4py": mpi4py, "gloo": gloo}
-    if not backward:
+    if backward:
+        runs["floor"] = floor
+    else:
         runs["ours_new"] = ours_new
         if validated:
             runs["ours_unchecked"] = ours_unchecked
@@ -125,31 +140,60 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
     timings = {name: statistics.median(values) for name, values in samples.items()}
     timings["ours/mpi4py"] = paired_ratio(samples, "ours", "mpi4py")
     timings["gloo/ours"] = paired_ratio(samples, "gloo", "ours")
+    if backward:
+        timings["ours/floor"] = paired_ratio(samples, "ours", "floor")
+        timings["floor/mpi4py"] = paired_ratio(samples, "floor", "mpi4py")
     if "ours_unchecked" in samples:
         timings["no-val/mpi4py"] = paired_ratio(samples, "ours_unchecked", "mpi4py")
     return timings
 
 
-def _autograd_floor(comm) -> float:
-    """Seconds per forward+backward of an identity autograd.Function on 1 KB: torch's own cost, no MPI."""
+def _minimal_autograd_op(op: str, comm, numel: int) -> type[torch.autograd.Function]:
+    """The least any differentiable version of ``op`` can cost: an autograd.Function whose forward and backward
+    are the bare mpi4py calls into fresh tensors (autograd returns new tensors; no checks, no metadata). The
+    ``floor`` contender of forward+backward: ``ours/floor`` is mpistrategy's own cost, ``floor/mpi4py`` torch's."""
+    from mpi4py import MPI
 
-    class Identity(torch.autograd.Function):
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    class Allreduce(torch.autograd.Function):
         @staticmethod
         def forward(ctx, tensor):
-            return tensor.clone()
+            result = torch.empty_like(tensor)
+            comm.Allreduce(tensor.numpy(), result.numpy())
+            return result
 
         @staticmethod
         def backward(ctx, grad):
-            return grad.clone()
+            return Allreduce.forward(ctx, grad)
 
-    x = torch.randn(256, requires_grad=True)
-    grad = torch.randn(256)
+    class Broadcast(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            result = tensor.detach() if rank == 0 else torch.empty(numel)
+            comm.Bcast(result.numpy(), root=0)
+            return result
 
-    def run():
-        x.grad = None
-        Identity.apply(x).backward(grad)
+        @staticmethod
+        def backward(ctx, grad):
+            total = torch.empty_like(grad) if rank == 0 else None
+            comm.Reduce(grad.numpy(), None if total is None else total.numpy(), op=MPI.SUM, root=0)
+            return total if rank == 0 else torch.empty(0)
 
-    return statistics.median(time_interleaved({"floor": run}, 9, 100, comm.Barrier)["floor"])
+    class Allgather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            result = torch.empty(tensor.numel() * size)
+            comm.Allgather(tensor.numpy(), result.numpy())
+            return result
+
+        @staticmethod
+        def backward(ctx, grad):
+            block = torch.empty(grad.numel() // size)
+            comm.Reduce_scatter(grad.numpy(), block.numpy(), [block.numel()] * size)
+            return block
+
+    return {"allreduce": Allreduce, "broadcast": Broadcast, "allgather": Allgather}[op]
 
 
 def _plot(rows: list[dict], path) -> None:
@@ -188,6 +232,7 @@ def main() -> None:
     import mpistrategy as ms
 
     comm = MPI.COMM_WORLD
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed.nn's deprecation notices
     ms.set_validation(not args.no_validation)
     torch.set_num_threads(1)
     init_gloo()
@@ -195,7 +240,7 @@ def main() -> None:
     rows = []
     header = (
         f"{'op':<10}{'mode':<9}{'size':>9}{'ours µs':>12}{'mpi4py µs':>12}{'gloo µs':>12}{'new µs':>10}"
-        f"{'no-val µs':>11}{'ours/mpi4py':>13}{'gloo/ours':>11}"
+        f"{'no-val µs':>11}{'floor µs':>10}{'ours/mpi4py':>13}{'gloo/ours':>11}{'ours/floor':>12}"
     )
     if comm.rank == 0:
         print(f"{comm.size} ranks, validation {'on' if ms.validation_enabled() else 'off'}\n{header}", flush=True)
@@ -207,23 +252,25 @@ def main() -> None:
                 rows.append(row)
                 if comm.rank == 0:
                     mode = "fwd+bwd" if backward else "fwd"
-                    new = f"{t['ours_new'] * 1e6:>10.1f}" if "ours_new" in t else f"{'-':>10}"
-                    new += f"{t['ours_unchecked'] * 1e6:>11.1f}" if "ours_unchecked" in t else f"{'-':>11}"
+                    extra = "".join(
+                        f"{t[name] * 1e6:>{width}.1f}" if name in t else f"{'-':>{width}}"
+                        for name, width in (("ours_new", 10), ("ours_unchecked", 11), ("floor", 10))
+                    )
+                    ratio = f"{t['ours/floor']:>12.3f}" if "ours/floor" in t else f"{'-':>12}"
                     print(
                         f"{op:<10}{mode:<9}{_human(nbytes):>9}{t['ours'] * 1e6:>12.1f}{t['mpi4py'] * 1e6:>12.1f}"
-                        f"{t['gloo'] * 1e6:>12.1f}{new}{t['ours/mpi4py']:>13.3f}{t['gloo/ours']:>11.2f}",
+                        f"{t['gloo'] * 1e6:>12.1f}{extra}{t['ours/mpi4py']:>13.3f}{t['gloo/ours']:>11.2f}{ratio}",
                         flush=True,
                     )
-    floor = _autograd_floor(comm)
     if comm.rank == 0:
-        _summarise(rows, floor)
-        payload = {"ranks": comm.size, "validation": ms.validation_enabled(), "autograd_floor": floor, "rows": rows}
+        _summarise(rows)
+        payload = {"ranks": comm.size, "validation": ms.validation_enabled(), "rows": rows}
         path = save("collectives", payload, args.results)
         _plot(rows, path.with_suffix(".png"))
         print(f"results: {path} and {path.with_suffix('.png')}")
 
 
-def _summarise(rows: list[dict], floor: float) -> None:
+def _summarise(rows: list[dict]) -> None:
     print("\nsummary (targets in brackets):")
     for backward in (False, True):
         mode = "forward+backward" if backward else "forward"
@@ -241,9 +288,17 @@ def _summarise(rows: list[dict], floor: float) -> None:
         worst_small = max(small, key=lambda r: r["ours"] - r["mpi4py"])
         added = (worst_small["ours"] - worst_small["mpi4py"]) * 1e6
         if backward:
+            floor_added = (worst_small["floor"] - worst_small["mpi4py"]) * 1e6
+            worst_floor = max(large, key=lambda r: r["ours/floor"])
+            torch_share = max(large, key=lambda r: r["floor/mpi4py"])
             print(
-                f"  {mode}, 1 KB: worst added latency {added:.1f} µs ({worst_small['op']}), of which torch's "
-                f"autograd engine alone costs {floor * 1e6:.1f} µs"
+                f"  {mode}, 1 KB: worst added latency {added:.1f} µs ({worst_small['op']}), of which the minimal "
+                f"autograd op over bare mpi4py (floor) adds {floor_added:.1f} µs"
+            )
+            print(
+                f"  {mode}, >= 1 MB: worst ours/floor {worst_floor['ours/floor']:.3f} ({worst_floor['op']} "
+                f"{_human(worst_floor['bytes'])}); worst floor/mpi4py {torch_share['floor/mpi4py']:.3f} "
+                f"({torch_share['op']} {_human(torch_share['bytes'])}): what autograd's fresh tensors cost"
             )
         else:
             print(
