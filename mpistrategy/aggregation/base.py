@@ -58,7 +58,8 @@ class GradBucket:
         own_gradient: the bucket holds one large parameter and ``buffer`` is that parameter's own ``.grad``
             (flattened): it is combined in place where autograd put it, with no flat copy. It can be a different
             tensor from one backward pass to the next (after ``zero_grad(set_to_none=True)`` autograd stores a
-            new one); its shape, dtype and device never change.
+            new one); its shape, dtype and device never change. Until the parameter's first gradient it is a
+            read-only zero stand-in that takes no memory (one element, expanded).
     """
 
     index: int

@@ -162,15 +162,17 @@ class GradientReducer:
             numels = [p.numel() for _, p in group]
             offsets = [sum(numels[:i]) for i in range(len(numels))]
             first = group[0][1]
-            buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
-            views = [buffer[o : o + n].view_as(p) for o, n, (_, p) in zip(offsets, numels, group, strict=True)]
             params = [p for _, p in group]
-            for param, view in zip(params, views, strict=True):
-                if param.grad is not None:
-                    view.copy_(param.grad)
-                    param.grad = view
             own = len(group) == 1 and owns_bucket(first, self.own_bucket_mb)
+            if own:  # no buffer of its own: it adopts the gradient autograd stores (a zero stand-in until then)
+                buffer = torch.zeros((), dtype=first.dtype, device=first.device).expand(numels[0])
+            else:
+                buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
+            views = [buffer[o : o + n].view_as(p) for o, n, (_, p) in zip(offsets, numels, group, strict=True)]
             bucket = GradBucket(index, buffer, [n for n, _ in group], offsets, numels, params, views, own)
+            for position, param in enumerate(params):
+                if param.grad is not None:
+                    self._place(bucket, position, param, param.grad)
             self.buckets.append(bucket)
             for position, param in enumerate(params):
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, position)))

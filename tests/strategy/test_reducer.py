@@ -156,6 +156,8 @@ def test_own_gradient_buckets_combine_the_gradient_autograd_stored(set_to_none: 
     weight = net[2].weight
     own = [b for b in reducer.buckets if b.own_gradient]
     assert len(own) == 1 and own[0].params[0] is weight and len(own[0].params) == 1
+    stand_in = own[0].buffer  # until the first gradient: no memory of the parameter's size
+    assert stand_in.numel() == weight.numel() and stand_in.untyped_storage().nbytes() == stand_in.element_size()
     full, mine = _rank_batch()
     ref = _net()
     for rank in range(SIZE):
