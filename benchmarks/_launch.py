@@ -74,10 +74,15 @@ def time_interleaved(
     return samples
 
 
+def paired_ratios(samples: dict[str, list[float]], name: str, reference: str) -> list[float]:
+    """Per repeat, ``name``'s time divided by ``reference``'s in the same repeat (slow drifts of a shared machine
+    hit both alike and cancel)."""
+    return [a / b for a, b in zip(samples[name], samples[reference], strict=True)]
+
+
 def paired_ratio(samples: dict[str, list[float]], name: str, reference: str) -> float:
-    """Median over repeats of ``name``'s time divided by ``reference``'s in the same repeat (slow drifts of a
-    shared machine hit both alike and cancel)."""
-    return statistics.median(a / b for a, b in zip(samples[name], samples[reference], strict=True))
+    """The median of :func:`paired_ratios`."""
+    return statistics.median(paired_ratios(samples, name, reference))
 
 
 def save(name: str, payload: dict, directory: Path = RESULTS) -> Path:

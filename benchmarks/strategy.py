@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, ensure_mpi, save  # noqa: E402
+from _launch import RESULTS, ensure_mpi, paired_ratios, save  # noqa: E402
 
 TARGET_VS_DDP = 0.8
 TARGET_VS_HAND = 1.05
@@ -148,7 +148,7 @@ def _plot(rounds: list[dict[str, float]], path: Path) -> None:
 
 def _paired(rounds: list[dict[str, float]], name: str, reference: str) -> tuple[float, float, float]:
     """Median, min and max over rounds of ``name``'s time divided by ``reference``'s in the same round."""
-    ratios = [r[name] / r[reference] for r in rounds]
+    ratios = paired_ratios({n: [r[n] for r in rounds] for n in (name, reference)}, name, reference)
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
