@@ -14,7 +14,10 @@ DistributedSampler), same optimizer (SGD, momentum 0.9), same number of steps an
   every Trainer while torch.distributed is initialised, which would slow the other contenders down;
 - ``hand``: a plain loop: backward, one in-place allreduce of one flat gradient buffer that the ``.grad`` are
   views of (zeroed in place), step. ``hand_cat`` is the common variant that flattens with ``torch.cat`` and copies
-  the result back.
+  the result back;
+- ``reducer`` (for reference): the same plain loop with mpi_ad's gradient machinery instead of the allreduce
+  (``GradientReducer`` with the default buckets and ``MeanAggregator``): what mpi_ad's sync costs without
+  Lightning's loop around it, so ``mpi_ad / reducer`` is the price of the Trainer itself.
 
 Trainer runs are timed by a callback (time between consecutive ``on_train_batch_start``, i.e. the full step
 including data loading and every Lightning hook); the loops time whole iterations the same way. The contenders
@@ -74,6 +77,7 @@ def main() -> None:
         "ddp": _trainer_run("ddp"),
         "hand": _hand_run(False),
         "hand_cat": _hand_run(True),
+        "reducer": _reducer_run(),
     }
     rounds: list[dict[str, float]] = []
     order = list(contenders.items())
@@ -93,6 +97,8 @@ def main() -> None:
     ratio_ddp = _paired(rounds, "mpi_ad", "ddp")
     ratio_hand = _paired(rounds, "mpi_ad", "hand")
     ratio_cat = _paired(rounds, "mpi_ad", "hand_cat")
+    ratio_reducer = _paired(rounds, "reducer", "hand")
+    ratio_trainer = _paired(rounds, "mpi_ad", "reducer")
     print(f"\nmpi_ad strategy benchmark: {size} ranks, {threads} torch thread(s) per rank, MLP 784-1024-1024-10,")
     print(f"batch {BATCH} per rank, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up)\n")
     print(f"{'contender':<10} {'median ms/step':>15} {'range over rounds':>20}")
@@ -107,6 +113,14 @@ def main() -> None:
         verdict = "met" if ratio <= target else "MISSED"
         print(f"{label} = {ratio:.2f}  ({low:.2f} - {high:.2f})   target <= {target}: {verdict}")
     print(f"mpi_ad / hand_cat = {ratio_cat[0]:.2f}  ({ratio_cat[1]:.2f} - {ratio_cat[2]:.2f})   (the torch.cat loop)")
+    print(
+        f"reducer / hand = {ratio_reducer[0]:.2f}  ({ratio_reducer[1]:.2f} - {ratio_reducer[2]:.2f})   "
+        "(mpi_ad's gradient sync in the plain loop)"
+    )
+    print(
+        f"mpi_ad / reducer = {ratio_trainer[0]:.2f}  ({ratio_trainer[1]:.2f} - {ratio_trainer[2]:.2f})   "
+        "(what Lightning's loop adds)"
+    )
     path = save(
         "strategy",
         {
@@ -120,6 +134,8 @@ def main() -> None:
             "mpi_ad_vs_ddp": ratio_ddp[0],
             "mpi_ad_vs_hand": ratio_hand[0],
             "mpi_ad_vs_hand_cat": ratio_cat[0],
+            "reducer_vs_hand": ratio_reducer[0],
+            "mpi_ad_vs_reducer": ratio_trainer[0],
             "targets": {"vs_ddp": TARGET_VS_DDP, "vs_hand": TARGET_VS_HAND},
         },
         args.results,
@@ -251,10 +267,12 @@ def _trainer_run(kind: str):
     return run
 
 
-def _hand_run(concatenate: bool):
+def _plain_loop(make_step):
+    """A training loop without Lightning on the benchmark's model, data and optimizer, started from rank 0's
+    parameters as the strategies do. ``make_step(model, optimizer)`` returns ``(step, done)``: ``step(x, y)`` runs
+    one training step, ``done()`` cleans up after the last."""
     import torch
     from mpi4py import MPI
-    from torch import nn
     from torch.utils.data import DataLoader, DistributedSampler
 
     comm = MPI.COMM_WORLD
@@ -262,21 +280,61 @@ def _hand_run(concatenate: bool):
     def run(steps: int) -> list[float]:
         model = _model()
         with torch.no_grad():
-            for p in model.parameters():  # as the strategies do: start from rank 0's parameters
+            for p in model.parameters():
                 comm.Bcast(p.detach().numpy(), root=0)
-        params = list(model.parameters())
-        optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-        flat = torch.zeros(sum(p.numel() for p in params))
-        if not concatenate:
-            offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+        step, done = make_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
         data = _dataset(steps, comm.size)
         sampler = DistributedSampler(data, num_replicas=comm.size, rank=comm.rank, shuffle=True, seed=0)
         starts = []
         for x, y in DataLoader(data, batch_size=BATCH, sampler=sampler):
             starts.append(time.perf_counter())
+            step(x, y)
+        starts.append(time.perf_counter())
+        done()
+        return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+    return run
+
+
+def _reducer_run():
+    from torch import nn
+
+    from mpistrategy.aggregation import MeanAggregator
+    from mpistrategy.strategy.reducer import GradientReducer
+    from mpistrategy.strategy.topology import topology
+
+    def make_step(model, optimizer):
+        reducer = GradientReducer(model, MeanAggregator(), topology())
+        reducer.attach_optimizer(optimizer)
+
+        def step(x, y) -> None:
+            optimizer.zero_grad()
+            reducer.prepare(sync=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            reducer.wait()
+            optimizer.step()
+
+        return step, reducer.remove
+
+    return _plain_loop(make_step)
+
+
+def _hand_run(concatenate: bool):
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+
+    comm = MPI.COMM_WORLD
+
+    def make_step(model, optimizer):
+        params = list(model.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+        if not concatenate:
+            for p, offset in zip(params, offsets, strict=True):
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+
+        def step(x, y) -> None:
             if concatenate:
                 optimizer.zero_grad(set_to_none=True)
             else:
@@ -286,18 +344,16 @@ def _hand_run(concatenate: bool):
                 grads = torch.cat([p.grad.reshape(-1) for p in params])
                 comm.Allreduce(MPI.IN_PLACE, grads.numpy(), op=MPI.SUM)
                 grads.div_(comm.size)
-                offset = 0
-                for p in params:
+                for p, offset in zip(params, offsets, strict=True):
                     p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
             else:
                 comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
                 flat.div_(comm.size)
             optimizer.step()
-        starts.append(time.perf_counter())
-        return [b - a for a, b in zip(starts, starts[1:], strict=False)]
 
-    return run
+        return step, lambda: None
+
+    return _plain_loop(make_step)
 
 
 if __name__ == "__main__":
