@@ -29,6 +29,3 @@ class ModelParallelMPIStrategy(MPIADStrategy):
     def setup(self, trainer: Any) -> None:
         self.data_parallel = False  # set here, so that the constructor keeps mpi_ad's signature for the configs
         super().setup(trainer)
-        from lightning_utilities.core.rank_zero import rank_zero_only
-
-        rank_zero_only.rank = self.global_rank
