@@ -328,30 +328,32 @@ def _hand_run(concatenate: bool):
 
     def make_step(model, optimizer):
         params = list(model.parameters())
-        flat = torch.zeros(sum(p.numel() for p in params))
         offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
-        if not concatenate:
-            for p, offset in zip(params, offsets, strict=True):
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
 
-        def step(x, y) -> None:
-            if concatenate:
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                flat.zero_()
+        def cat_step(x, y) -> None:
+            optimizer.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x), y).backward()
-            if concatenate:
-                grads = torch.cat([p.grad.reshape(-1) for p in params])
-                comm.Allreduce(MPI.IN_PLACE, grads.numpy(), op=MPI.SUM)
-                grads.div_(comm.size)
-                for p, offset in zip(params, offsets, strict=True):
-                    p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
-            else:
-                comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
-                flat.div_(comm.size)
+            grads = torch.cat([p.grad.reshape(-1) for p in params])
+            comm.Allreduce(MPI.IN_PLACE, grads.numpy(), op=MPI.SUM)
+            grads.div_(comm.size)
+            for p, offset in zip(params, offsets, strict=True):
+                p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
             optimizer.step()
 
-        return step, lambda: None
+        if concatenate:
+            return cat_step, lambda: None
+        flat = torch.zeros(sum(p.numel() for p in params))
+        for p, offset in zip(params, offsets, strict=True):
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+
+        def view_step(x, y) -> None:
+            flat.zero_()
+            nn.functional.cross_entropy(model(x), y).backward()
+            comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+            flat.div_(comm.size)
+            optimizer.step()
+
+        return view_step, lambda: None
 
     return _plain_loop(make_step)
 
