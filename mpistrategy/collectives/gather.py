@@ -459,6 +459,7 @@ def allgather(
     Backward: a reduce-scatter sum: rank r's input gets the sum over ranks of block r of their cotangents.
     """
     comm = resolve(comm)
+    recorded = grad_flag(tensor)
     dim, sizes = _prepare_along(
         "allgather",
         tensor,
@@ -467,9 +468,9 @@ def allgather(
         None,
         equal=True,
         describe="dtype, shape, requires_grad, dim",
-        out_problem=out_problem(out, grad_flag(tensor), "allgather"),
+        out_problem=out_problem(out, recorded, "allgather"),
     )
-    if not grad_flag(tensor):  # autograd does not record the op here: skip the autograd node
+    if not recorded:  # autograd does not record the op here: skip the autograd node
         return _allgather_along(tensor, sizes, dim, comm, out)
     return _Allgather.apply(tensor, sizes, dim, comm)
 
