@@ -345,7 +345,7 @@ def _scatter(
     comm = resolve(comm)
     check_rank(root, comm, what)
     check_dim_argument(dim, what)
-    agree(comm, what, [root, dim, int(equal)], "root, dim and variant (scatter or scatter_v)")
+    agree(comm, what, (root, dim, equal), "root, dim and variant (scatter or scatter_v)")
     is_root = comm.rank == root
     sent = tensor if is_root else None
     if isinstance(sent, torch.Tensor) and not torch.is_grad_enabled():

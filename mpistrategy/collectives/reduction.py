@@ -26,9 +26,11 @@ from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder
 from mpistrategy.comm.buffers import (
+    NATIVE_REDUCTIONS,
     REDUCE_OPS,
     deliver,
     empty_on_wire,
+    host_ready,
     mpi_buffer,
     mpi_op,
     off_wire,
@@ -45,41 +47,56 @@ from mpistrategy.comm.communicator import Communicator, resolve
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 
 
-def _run_allreduce(
-    tensor: torch.Tensor,
-    op: str,
-    channel: MPI.Intracomm,
-    size: int,
-    *,
-    blocking: bool = True,
-    out: torch.Tensor | None = None,
-) -> Pending:
-    """Start (or run) ``MPI_Allreduce`` of ``tensor`` and return what completes it.
-
-    ``out`` receives the result: MPI writes straight into it when it can, and works in place (``MPI_IN_PLACE``)
-    when ``out`` is ``tensor``'s own memory.
-    """
+def _allreduce_buffers(
+    tensor: torch.Tensor, op: str, out: torch.Tensor | None
+) -> tuple[object, torch.Tensor, MPI.Op, torch.Tensor]:
+    """What ``MPI_Allreduce`` of ``tensor`` needs: the send buffer (``MPI_IN_PLACE`` when the result is written
+    over ``tensor``'s own memory), the tensor receiving the result (``out`` when MPI can write into it), the MPI
+    operation, and the tensor whose memory is sent (to keep alive while a request is in flight)."""
+    operation = NATIVE_REDUCTIONS.get((tensor.dtype, op))
+    if operation is not None and host_ready(tensor, out):  # the common case: no conversion, staging or copy
+        result = torch.empty_like(tensor) if out is None else out
+        send = MPI.IN_PLACE if result.data_ptr() == tensor.data_ptr() else mpi_buffer(tensor)
+        return send, result, operation, tensor
     wire_dtype = reduction_dtype(tensor.dtype, op, "allreduce")
-    send = on_wire(tensor, wire_dtype)
-    result = receive_buffer(out, tuple(send.shape), wire_dtype, tensor.device)
-    send_buffer = MPI.IN_PLACE if same_memory(result, send) else mpi_buffer(send)
-    args = (send_buffer, mpi_buffer(result), mpi_op(wire_dtype, op))
-    requests = [channel.Iallreduce(*args)] if not blocking else []
-    if blocking:
-        channel.Allreduce(*args)
+    staged = on_wire(tensor, wire_dtype)
+    result = receive_buffer(out, tuple(staged.shape), wire_dtype, tensor.device)
+    send = MPI.IN_PLACE if same_memory(result, staged) else mpi_buffer(staged)
+    return send, result, mpi_op(wire_dtype, op), staged
 
-    def finish() -> torch.Tensor:
-        if op == "avg":
-            to_mean(result, size)
-        return deliver(result, out, tensor.dtype, tensor.device, "allreduce")
 
-    return Pending(requests, finish, keepalive=(send, result))
+def _allreduce_result(
+    result: torch.Tensor, tensor: torch.Tensor, op: str, size: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The completed allreduce in ``tensor``'s dtype and device (or in ``out``): averaged for ``op="avg"``."""
+    if op == "avg":
+        to_mean(result, size)
+    return deliver(result, out, tensor.dtype, tensor.device, "allreduce")
+
+
+def _allreduce(
+    tensor: torch.Tensor, op: str, channel: MPI.Intracomm, size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Blocking ``MPI_Allreduce`` of ``tensor`` on ``channel`` (``size`` ranks); the result goes to ``out`` when
+    given (in place when ``out`` is ``tensor``'s own memory), else to a new tensor."""
+    send, result, operation, _ = _allreduce_buffers(tensor, op, out)
+    channel.Allreduce(send, mpi_buffer(result), operation)
+    return _allreduce_result(result, tensor, op, size, out)
+
+
+def _start_allreduce(
+    tensor: torch.Tensor, op: str, channel: MPI.Intracomm, size: int, out: torch.Tensor | None = None
+) -> Pending:
+    """Non-blocking :func:`_allreduce`: ``MPI_Iallreduce`` posted, and what completes it."""
+    send, result, operation, sent = _allreduce_buffers(tensor, op, out)
+    request = channel.Iallreduce(send, mpi_buffer(result), operation)
+    return Pending([request], lambda: _allreduce_result(result, tensor, op, size, out), keepalive=(sent, result))
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, op: str, comm: Communicator) -> torch.Tensor:
-        result = _run_allreduce(tensor, op, comm.forward, comm.size).wait()
+        result = _allreduce(tensor, op, comm.forward, comm.size)
         ctx.op, ctx.comm = op, comm
         if op in ("max", "min"):
             ctx.save_for_backward(tensor, result)
@@ -89,11 +106,11 @@ class _Allreduce(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         comm = ctx.comm
         if ctx.op in ("sum", "avg"):
-            return _run_allreduce(grad, ctx.op, comm.backward, comm.size).wait(), None, None
+            return _allreduce(grad, ctx.op, comm.backward, comm.size), None, None
         tensor, result = ctx.saved_tensors
         candidate = torch.where(tensor == result, comm.rank, comm.size).to(torch.int32)
-        owner = _run_allreduce(candidate, "min", comm.backward, comm.size).wait()
-        total = _run_allreduce(grad, "sum", comm.backward, comm.size).wait()
+        owner = _allreduce(candidate, "min", comm.backward, comm.size)
+        total = _allreduce(grad, "sum", comm.backward, comm.size)
         return torch.where(owner == comm.rank, total, torch.zeros_like(total)), None, None
 
 
@@ -129,7 +146,7 @@ def allreduce(
     local = signature(tensor, _OP_CODES[op], recorded)
     agree_checked(comm, "allreduce", local, "dtype, shape, op, requires_grad", out_problem(out, recorded, "allreduce"))
     if not recorded:
-        return _run_allreduce(tensor, op, comm.forward, comm.size, out=out).wait()
+        return _allreduce(tensor, op, comm.forward, comm.size, out)
     return _Allreduce.apply(tensor, op, comm)
 
 
@@ -155,8 +172,8 @@ def iallreduce(
     problem = out_problem(out, recorded, "iallreduce")
     agree_checked(comm, "iallreduce", local, "dtype, shape, op, requires_grad", problem)
     link = Link(
-        lambda x: _run_allreduce(x, op, comm.forward, comm.size, blocking=False, out=out),
-        lambda g: _run_allreduce(g, op, comm.backward, comm.size, blocking=False),
+        lambda x: _start_allreduce(x, op, comm.forward, comm.size, out),
+        lambda g: _start_allreduce(g, op, comm.backward, comm.size),
     )
     return Handle(tensor, link)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from mpistrategy.collectives.reduction import _check_reduction, _run_allreduce
+from mpistrategy.collectives.reduction import _allreduce, _check_reduction
 from mpistrategy.comm.checks import agree, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 
@@ -27,13 +27,13 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _run_allreduce(grad, "sum", ctx.comm.backward, ctx.comm.size).wait(), None
+        return _allreduce(grad, "sum", ctx.comm.backward, ctx.comm.size), None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        return _run_allreduce(tensor, "sum", comm.forward, comm.size).wait()
+        return _allreduce(tensor, "sum", comm.forward, comm.size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -74,8 +74,7 @@ def transfer_type(dtype: torch.dtype) -> MPI.Datatype:
     return _opaque_type(torch.empty((), dtype=dtype).element_size())
 
 
-def reduction_dtype(dtype: torch.dtype, op: str, what: str) -> torch.dtype:
-    """The dtype in which MPI performs the reduction ``op`` of ``dtype`` tensors; raises if it is not defined."""
+def _check_reduction_dtype(dtype: torch.dtype, op: str, what: str) -> torch.dtype:
     if op not in REDUCE_OPS:
         raise ValueError(f"{what}: unknown reduction op {op!r}; choose one of {sorted(REDUCE_OPS)}.")
     check_dtype(dtype, what)
@@ -93,6 +92,26 @@ def reduction_dtype(dtype: torch.dtype, op: str, what: str) -> torch.dtype:
     return _REDUCED_AS.get(dtype, dtype)
 
 
+def _valid_reductions() -> dict[tuple[torch.dtype, str], torch.dtype]:
+    valid = {}
+    for dtype in DTYPE_CODES:
+        for op in REDUCE_OPS:
+            try:
+                valid[dtype, op] = _check_reduction_dtype(dtype, op, "")
+            except TypeError:
+                continue
+    return valid
+
+
+_REDUCTION_DTYPES = _valid_reductions()
+
+
+def reduction_dtype(dtype: torch.dtype, op: str, what: str) -> torch.dtype:
+    """The dtype in which MPI performs the reduction ``op`` of ``dtype`` tensors; raises if it is not defined."""
+    wire_dtype = _REDUCTION_DTYPES.get((dtype, op))
+    return wire_dtype if wire_dtype is not None else _check_reduction_dtype(dtype, op, what)
+
+
 def to_mean(total: torch.Tensor, size: int) -> torch.Tensor:
     """Turn ``total``, a sum over ``size`` ranks, into their mean in place: ``total *= 1/size``.
 
@@ -107,6 +126,25 @@ def mpi_op(dtype: torch.dtype, op: str) -> MPI.Op:
     return _BOOL_OPS[op] if dtype == torch.bool else REDUCE_OPS[op]
 
 
+# The MPI operation for each (dtype, op) that MPI reduces in the tensor's own dtype (no float32 detour).
+NATIVE_REDUCTIONS: dict[tuple[torch.dtype, str], MPI.Op] = {
+    (dtype, op): mpi_op(dtype, op) for (dtype, op), wire in _REDUCTION_DTYPES.items() if wire == dtype
+}
+
+
+def host_ready(tensor: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """Whether MPI can use ``tensor``'s memory as it is (a contiguous host tensor), and ``out``'s, when given,
+    to receive a result of ``tensor``'s shape and dtype: the fast path of the ops, with no staging or copies."""
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        return False
+    return out is None or (
+        out.dtype == tensor.dtype and out.shape == tensor.shape and out.is_cpu and out.is_contiguous()
+    )
+
+
+_from_address = MPI.buffer.fromaddress
+
+
 def mpi_buffer(tensor: torch.Tensor) -> list:
     """``[memory, count, datatype]`` over the tensor's own storage; the tensor must be contiguous.
 
@@ -116,7 +154,7 @@ def mpi_buffer(tensor: torch.Tensor) -> list:
     datatype = _NATIVE_TYPES.get(tensor.dtype) or transfer_type(tensor.dtype)
     if not count:
         return [MPI.BOTTOM, 0, datatype]
-    return [MPI.buffer.fromaddress(tensor.data_ptr(), count * tensor.element_size(), readonly=False), count, datatype]
+    return [_from_address(tensor.data_ptr(), tensor.nbytes, readonly=False), count, datatype]
 
 
 @functools.cache
@@ -211,6 +249,8 @@ def deliver(
     Called once the collective has completed, so that a bad ``out`` raises on its rank without leaving the other
     ranks waiting.
     """
+    if result is out:
+        return out
     if out is None:
         return off_wire(result, dtype, device)
     if not same_memory(result, out):

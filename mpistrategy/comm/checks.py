@@ -18,7 +18,6 @@ from array import array
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -73,17 +72,44 @@ def check_dim(dim: int, ndim: int, what: str) -> int:
     return dim % max(ndim, 1)
 
 
-def signature(tensor: torch.Tensor | None, *extra: int, skip_dim: int | None = None) -> list[int]:
-    """Integers that must be equal on all ranks: dtype, shape (but ``skip_dim``) and ``extra`` arguments."""
+def signature(tensor: torch.Tensor | None, *extra: object, skip_dim: int | None = None) -> tuple:
+    """What must be equal on all ranks: ``tensor``'s dtype and shape (but ``skip_dim``) and the ``extra`` arguments.
+
+    A tuple of the dtype, the shape and the extras as they are (cheap to build); :func:`_digest` turns it into
+    integers only the first time a signature is seen.
+    """
     if tensor is None:
-        return [-1, *extra]
-    shape = [s for d, s in enumerate(tensor.shape) if d != skip_dim]
-    return [
-        DTYPE_CODES.index(tensor.dtype) if tensor.dtype in DTYPE_CODES else -2,
-        len(shape),
-        *shape,
-        *extra,
-    ]
+        return (None, *extra)
+    if skip_dim is None:
+        return (tensor.dtype, tensor.shape, *extra)
+    return (tensor.dtype, tuple(s for d, s in enumerate(tensor.shape) if d != skip_dim), *extra)
+
+
+def _as_integers(local: Sequence[object]) -> list[int]:
+    """A signature as integers, the same on every process: a dtype by its code (-2 if it cannot be
+    communicated), ``None`` as -1, a shape or other sequence as its length and its items."""
+    values: list[int] = []
+    for item in local:
+        if isinstance(item, torch.dtype):
+            values.append(DTYPE_CODES.index(item) if item in DTYPE_CODES else -2)
+        elif item is None:
+            values.append(-1)
+        elif isinstance(item, (tuple, list)):
+            values += [len(item), *(int(v) for v in item)]
+        else:
+            values.append(int(item))
+    return values
+
+
+def _readable(local: Sequence[object]) -> str:
+    """A signature as a rank's line in an error message."""
+
+    def shown(item: object) -> str:
+        if isinstance(item, torch.dtype):
+            return str(item).removeprefix("torch.")
+        return str(tuple(item)) if isinstance(item, (tuple, list)) else str(item)
+
+    return f"({', '.join(shown(item) for item in local)})"
 
 
 def grad_flag(tensor: object) -> int:
@@ -92,16 +118,16 @@ def grad_flag(tensor: object) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _digest(values: tuple[int, ...]) -> int:
+def _digest(local: tuple) -> int:
     """A 63-bit digest of a signature (CRC-32 and Adler-32 of its int64 bytes; the same on every process).
 
     Cached: a training loop repeats a few signatures, and an op then pays one dictionary lookup.
     """
-    data = array("q", values).tobytes()
+    data = array("q", _as_integers(local)).tobytes()
     return ((zlib.crc32(data) & 0x7FFFFFFF) << 32) | zlib.adler32(data)
 
 
-def agree(comm: Communicator, what: str, local: Sequence[int], describe: str = "dtype and shape") -> None:
+def agree(comm: Communicator, what: str, local: Sequence[object], describe: str = "dtype and shape") -> None:
     """Raise :class:`CommunicationError` on every rank unless all ranks pass the same ``local`` signature.
 
     One allreduce (MAX) of two int64 values per call: ``[d, -d]`` for the signature's digest ``d`` gives every
@@ -111,13 +137,14 @@ def agree(comm: Communicator, what: str, local: Sequence[int], describe: str = "
     """
     if comm.size == 1 or not validation_enabled():
         return
-    digest = _digest(tuple(local))
-    extremes = np.array([digest, -digest], dtype=np.int64)
+    digest = _digest(local if type(local) is tuple else tuple(local))
+    extremes = comm.agreement
+    extremes[0], extremes[1] = digest, -digest
     comm.forward.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
     if extremes[0] == -extremes[1]:
         return
-    rows = [tuple(row) for row in comm.forward.allgather(local)]
-    listing = "; ".join(f"rank {rank}: {row}" for rank, row in enumerate(rows))
+    rows = comm.forward.allgather(local)
+    listing = "; ".join(f"rank {rank}: {_readable(row)}" for rank, row in enumerate(rows))
     raise CommunicationError(
         f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same {describe}."
     )
@@ -126,7 +153,7 @@ def agree(comm: Communicator, what: str, local: Sequence[int], describe: str = "
 def agree_checked(
     comm: Communicator,
     what: str,
-    local: Sequence[int],
+    local: Sequence[object],
     describe: str,
     problem: Exception | None,
     *,
@@ -138,7 +165,7 @@ def agree_checked(
     validation off, the problem is left to the caller, whose next exchange tells the other ranks.
     """
     try:
-        agree(comm, what, [*local, int(problem is not None)], f"{describe} and argument validity")
+        agree(comm, what, (*local, problem is not None), describe + " and argument validity")
     except CommunicationError as error:
         if problem is not None:
             raise problem from error

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 from mpi4py import MPI
 
 
@@ -30,6 +31,9 @@ class Communicator:
         self.backward = comm.Dup()
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
+        # Two int64 that the cross-rank argument check (checks.agree) reduces on the forward channel; reused by
+        # every call, which is safe because MPI forbids concurrent collectives on one communicator anyway.
+        self.agreement = np.zeros(2, dtype=np.int64)
         with _lock:
             _registry[_key(comm)] = self
 
