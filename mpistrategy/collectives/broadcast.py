@@ -17,6 +17,8 @@ from mpistrategy.comm.checks import check_rank
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.metadata import TensorMeta, exchange_meta
 
+_CPU = torch.device("cpu")
+
 
 def _receive(
     tensor: torch.Tensor | None,
@@ -28,7 +30,7 @@ def _receive(
 ) -> torch.Tensor:
     """The broadcast itself: the root's ``tensor`` (ignored elsewhere) on every rank (no copy on the root)."""
     source = tensor if comm.rank == root else None
-    return _broadcast_from(source, torch.Size(meta.shape), meta.dtype, device, root, comm.forward, out)
+    return _broadcast_from(source, meta.shape, meta.dtype, device, root, comm.forward, out)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -84,7 +86,7 @@ def broadcast(
     elif device is not None:
         target = torch.device(device)
     else:
-        target = tensor.device if tensor is not None else torch.device("cpu")
+        target = tensor.device if tensor is not None else _CPU
     problem = out_problem(out, meta.requires_grad, "broadcast")
     if problem is not None:  # take part in the broadcast, so that no rank waits for this one, then raise
         _receive(tensor, meta, target, root, comm)

@@ -178,15 +178,12 @@ def _prepare_along(
                 f"dim {normalised}; pass the same sizes on every rank, sizes[r] being rank r's length."
             )
         problem = problem or sizes_problem
-    listed = [-1] if sizes is None else ([len(known), *known] if known is not None else [-2])
-    local = signature(
-        tensor if isinstance(tensor, torch.Tensor) else None,
-        grad_flag(tensor),
-        dim,
-        *extra,
-        *([] if equal else listed),
-        skip_dim=None if equal else normalised,
-    )
+    present = tensor if isinstance(tensor, torch.Tensor) else None
+    if equal:
+        local = signature(present, grad_flag(tensor), dim, *extra)
+    else:
+        listed = (-1,) if sizes is None else ((len(known), *known) if known is not None else (-2,))
+        local = signature(present, grad_flag(tensor), dim, *extra, *listed, skip_dim=normalised)
     agree_checked(comm, what, local, describe, problem, deferred=not equal and sizes is None)
     if equal:
         return normalised, [length] * comm.size

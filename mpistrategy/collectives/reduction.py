@@ -180,7 +180,7 @@ def iallreduce(
 
 def _broadcast_from(
     tensor: torch.Tensor | None,
-    shape: torch.Size,
+    shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
     root: int,
@@ -192,7 +192,12 @@ def _broadcast_from(
     Receivers write into ``out`` when given; the root sends from ``tensor`` (and copies it into a distinct
     ``out``).
     """
-    buffer = on_wire(tensor) if tensor is not None else receive_buffer(out, tuple(shape), dtype, device)
+    if tensor is None:
+        buffer = receive_buffer(out, shape, dtype, device)
+    elif out is tensor and host_ready(tensor):  # in place on the root
+        buffer = out
+    else:
+        buffer = on_wire(tensor)
     comm.Bcast(mpi_buffer(buffer), root=root)
     return deliver(buffer, out, dtype, device, "broadcast")
 
@@ -269,13 +274,13 @@ def _allgather_front(
 ) -> torch.Tensor:
     """``MPI_Allgather(v)`` of blocks along the first dimension, block r having ``sizes[r]`` rows (into ``out``
     when given)."""
-    send = on_wire(front)
-    row = math.prod(send.shape[1:])
+    send = front if host_ready(front) else on_wire(front)
     result = receive_buffer(out, (sum(sizes), *send.shape[1:]), send.dtype, front.device)
     send_buffer = mpi_buffer(send)
-    if len(set(sizes)) == 1:
+    if sizes.count(sizes[0]) == len(sizes):
         channel.Allgather(send_buffer, [mpi_buffer(result)[0], send_buffer[1], send_buffer[2]])
     else:
+        row = math.prod(send.shape[1:])
         counts = [s * row for s in sizes]
         channel.Allgatherv(send_buffer, [mpi_buffer(result)[0], counts, offsets(counts), send_buffer[2]])
     return deliver(result, out, front.dtype, front.device, "allgather")

@@ -58,9 +58,12 @@ def _opaque_type(itemsize: int) -> MPI.Datatype:
     return MPI.BYTE.Create_contiguous(itemsize).Commit()
 
 
+_SUPPORTED = frozenset(DTYPE_CODES)
+
+
 def check_dtype(dtype: torch.dtype, what: str) -> None:
     """Raise a clear error for dtypes no MPI transfer can carry."""
-    if dtype not in DTYPE_CODES:
+    if dtype not in _SUPPORTED:
         supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
         raise TypeError(f"{what}: tensors of dtype {dtype} cannot be communicated; supported dtypes: {supported}.")
 

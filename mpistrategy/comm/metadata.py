@@ -7,6 +7,7 @@ A receiver cannot size its buffer before it knows what is coming, so ops whose r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,24 @@ class TensorMeta:
 
 
 _NO_TENSOR, _UNSENDABLE = -1, -2
+_HEADER_BYTES = HEADER_LENGTH * 8
+
+
+@functools.lru_cache(maxsize=1024)
+def _header(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, what: str) -> bytes:
+    """The encoded header of a tensor (cached: a training loop sends a few kinds of tensor over and over)."""
+    return np.array(TensorMeta(tuple(shape), dtype, requires_grad).encode(what), dtype=np.int64).tobytes()
+
+
+def _flag(code: int) -> bytes:
+    return np.array([code] + [0] * (HEADER_LENGTH - 1), dtype=np.int64).tobytes()
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded(header: bytes) -> TensorMeta | int:
+    """The metadata in a received header, or its flag (``_NO_TENSOR``, ``_UNSENDABLE``) when the sender had none."""
+    values = np.frombuffer(header, dtype=np.int64).tolist()
+    return values[0] if values[0] < 0 else TensorMeta.decode(values)
 
 
 def exchange_meta(
@@ -61,22 +80,23 @@ def exchange_meta(
     instead of the receivers waiting forever.
     """
     problem: Exception | None = None
-    header = np.zeros(HEADER_LENGTH, dtype=np.int64)
-    if is_sender:
-        if not isinstance(tensor, torch.Tensor):
-            header[0] = _NO_TENSOR
-        else:
-            try:
-                header[:] = TensorMeta.of(tensor).encode(what)
-            except (TypeError, ValueError) as error:
-                problem, header[0] = error, _UNSENDABLE
-    channel.Bcast(header, root=root)
-    values = header.tolist()
-    code = values[0]
-    if code == _NO_TENSOR:
+    if not is_sender:
+        header = bytearray(_HEADER_BYTES)
+    elif not isinstance(tensor, torch.Tensor):
+        header = bytearray(_flag(_NO_TENSOR))
+    else:
+        try:
+            header = bytearray(
+                _header(tensor.shape, tensor.dtype, tensor.requires_grad and torch.is_grad_enabled(), what)
+            )
+        except (TypeError, ValueError) as error:
+            problem, header = error, bytearray(_flag(_UNSENDABLE))
+    channel.Bcast([header, MPI.BYTE], root=root)
+    meta = _decoded(bytes(header))
+    if isinstance(meta, TensorMeta):
+        return meta
+    if meta == _NO_TENSOR:
         raise ValueError(f"{what}: the sending rank {root} passed no tensor; it must pass the tensor to send.")
-    if code == _UNSENDABLE:
-        if problem is not None:
-            raise problem
-        raise TypeError(f"{what}: the tensor on the sending rank {root} cannot be sent (see the error on rank {root}).")
-    return TensorMeta.decode(values)
+    if problem is not None:
+        raise problem
+    raise TypeError(f"{what}: the tensor on the sending rank {root} cannot be sent (see the error on rank {root}).")
