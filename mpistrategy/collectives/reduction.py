@@ -55,14 +55,14 @@ def _allreduce_buffers(
     operation, and the tensor whose memory is sent (to keep alive while a request is in flight)."""
     operation = NATIVE_REDUCTIONS.get((tensor.dtype, op))
     if operation is not None and host_ready(tensor, out):  # the common case: no conversion, staging or copy
-        result = torch.empty_like(tensor) if out is None else out
-        send = MPI.IN_PLACE if result.data_ptr() == tensor.data_ptr() else mpi_buffer(tensor)
-        return send, result, operation, tensor
-    wire_dtype = reduction_dtype(tensor.dtype, op, "allreduce")
-    staged = on_wire(tensor, wire_dtype)
-    result = receive_buffer(out, tuple(staged.shape), wire_dtype, tensor.device)
+        staged, result = tensor, torch.empty_like(tensor) if out is None else out
+    else:
+        wire_dtype = reduction_dtype(tensor.dtype, op, "allreduce")
+        staged = on_wire(tensor, wire_dtype)
+        result = receive_buffer(out, tuple(staged.shape), wire_dtype, tensor.device)
+        operation = mpi_op(wire_dtype, op)
     send = MPI.IN_PLACE if same_memory(result, staged) else mpi_buffer(staged)
-    return send, result, mpi_op(wire_dtype, op), staged
+    return send, result, operation, staged
 
 
 def _allreduce_result(

@@ -195,7 +195,7 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     are staged through host memory when MPI is not CUDA-aware.
     """
     tensor = tensor.detach()
-    if tensor.is_cpu and (dtype is None or dtype == tensor.dtype) and tensor.is_contiguous():
+    if (dtype is None or dtype == tensor.dtype) and host_ready(tensor):
         return tensor
     target_device = _CPU if needs_staging(tensor) else tensor.device
     return tensor.to(device=target_device, dtype=dtype or tensor.dtype).contiguous()
