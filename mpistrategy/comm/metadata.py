@@ -16,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.comm.buffers import DTYPE_CODES, check_dtype
+from mpistrategy.comm.checks import grad_flag
 
 MAX_DIMS = 12
 HEADER_LENGTH = 3 + MAX_DIMS
@@ -32,7 +33,7 @@ class TensorMeta:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorMeta:
         """The metadata of ``tensor``; it requires grad only if autograd records ops on it here."""
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad and torch.is_grad_enabled())
+        return cls(tuple(tensor.shape), tensor.dtype, bool(grad_flag(tensor)))
 
     def encode(self, what: str) -> list[int]:
         """The header: ``HEADER_LENGTH`` int64 values."""
@@ -86,9 +87,7 @@ def exchange_meta(
         header = bytearray(_flag(_NO_TENSOR))
     else:
         try:
-            header = bytearray(
-                _header(tensor.shape, tensor.dtype, tensor.requires_grad and torch.is_grad_enabled(), what)
-            )
+            header = bytearray(_header(tensor.shape, tensor.dtype, bool(grad_flag(tensor)), what))
         except (TypeError, ValueError) as error:
             problem, header = error, bytearray(_flag(_UNSENDABLE))
     channel.Bcast([header, MPI.BYTE], root=root)
