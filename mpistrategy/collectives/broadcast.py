@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from mpistrategy.collectives.placeholder import anchor
 from mpistrategy.collectives.reduction import _broadcast_from
-from mpistrategy.comm.buffers import mpi_buffer, mpi_op, off_wire, on_wire, out_problem, reduction_dtype
+from mpistrategy.comm.buffers import empty_on_wire, mpi_buffer, mpi_op, off_wire, on_wire, out_problem, reduction_dtype
 from mpistrategy.comm.checks import check_rank
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.metadata import TensorMeta, exchange_meta
@@ -45,7 +45,7 @@ class _Broadcast(torch.autograd.Function):
         wire_dtype = reduction_dtype(grad.dtype, "sum", "broadcast backward")
         send = on_wire(grad, wire_dtype)
         if comm.rank == ctx.root:
-            total = torch.empty_like(send)
+            total = empty_on_wire(tuple(send.shape), send.dtype, send.device)
             comm.backward.Reduce(mpi_buffer(send), mpi_buffer(total), op=mpi_op(wire_dtype, "sum"), root=ctx.root)
             return off_wire(total, grad.dtype, grad.device), None, None, None, None
         comm.backward.Reduce(mpi_buffer(send), None, op=mpi_op(wire_dtype, "sum"), root=ctx.root)

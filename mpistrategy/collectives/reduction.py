@@ -43,6 +43,7 @@ from mpistrategy.comm.buffers import (
 )
 from mpistrategy.comm.checks import agree, agree_checked, check_dim, check_rank, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
+from mpistrategy.comm.pool import receive_pool
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 
@@ -55,7 +56,7 @@ def _allreduce_buffers(
     operation, and the tensor whose memory is sent (to keep alive while a request is in flight)."""
     operation = NATIVE_REDUCTIONS.get((tensor.dtype, op))
     if operation is not None and host_ready(tensor, out):  # the common case: no conversion, staging or copy
-        staged, result = tensor, torch.empty_like(tensor) if out is None else out
+        staged, result = tensor, receive_pool.empty(tensor.shape, tensor.dtype) if out is None else out
     else:
         wire_dtype = reduction_dtype(tensor.dtype, op, "allreduce")
         staged = on_wire(tensor, wire_dtype)
@@ -212,7 +213,7 @@ class _Reduce(torch.autograd.Function):
         if comm.rank != root:
             comm.forward.Reduce(mpi_buffer(send), None, op=mpi_op(wire_dtype, op), root=root)
             return tensor.new_empty(0)
-        result = torch.empty_like(send)
+        result = empty_on_wire(tuple(send.shape), send.dtype, send.device)
         comm.forward.Reduce(mpi_buffer(send), mpi_buffer(result), op=mpi_op(wire_dtype, op), root=root)
         if op == "avg":
             to_mean(result, comm.size)

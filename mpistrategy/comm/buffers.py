@@ -14,6 +14,8 @@ import os
 import torch
 from mpi4py import MPI
 
+from mpistrategy.comm.pool import receive_pool
+
 _NATIVE_TYPES: dict[torch.dtype, MPI.Datatype] = {
     torch.float32: MPI.FLOAT,
     torch.float64: MPI.DOUBLE,
@@ -202,8 +204,11 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
 
 
 def empty_on_wire(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised receive buffer MPI can address, for a result that will live on ``device``."""
-    return torch.empty(shape, dtype=dtype, device=_CPU if _staged_on(device) else device)
+    """An uninitialised receive buffer MPI can address, for a result that will live on ``device``: host memory
+    comes from the :data:`~mpistrategy.comm.pool.receive_pool` (recycled once nothing refers to it)."""
+    if device.type == "cpu" or _staged_on(device):
+        return receive_pool.empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def off_wire(buffer: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
