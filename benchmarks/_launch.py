@@ -23,14 +23,14 @@ def ensure_mpi(ranks: int) -> None:
 
     if MPI.COMM_WORLD.Get_size() == ranks or os.environ.get("MPISTRATEGY_BENCH_CHILD"):
         return
-    mpiexec = os.environ.get("MPISTRATEGY_MPIEXEC") or shutil.which(
-        "mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    )
-    if mpiexec is None:
-        sys.exit("mpiexec not found: install the MPICH wheel (pip install mpich) or a system MPI.")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_"))}
+    from mpistrategy.launch import mpiexec_command, without_launcher_variables
+
+    command = mpiexec_command()
+    if shutil.which(command[0]) is None:
+        sys.exit(f"{command[0]} not found: install the MPICH wheel (pip install mpich) or a system MPI.")
+    env = without_launcher_variables(os.environ)
     env["MPISTRATEGY_BENCH_CHILD"] = "1"
-    code = subprocess.call([mpiexec, "-n", str(ranks), sys.executable, *sys.argv], env=env)
+    code = subprocess.call([*command, "-n", str(ranks), sys.executable, *sys.argv], env=env)
     sys.exit(code)
 
 

@@ -33,8 +33,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -48,13 +46,10 @@ import pytest
 
 NRANKS_ENV = "MPISTRATEGY_TEST_NRANKS"
 REPORT_DIR_ENV = "MPISTRATEGY_TEST_REPORT_DIR"
-MPIEXEC_ENV = "MPISTRATEGY_MPIEXEC"
-MPIEXEC_ARGS_ENV = "MPISTRATEGY_MPIEXEC_ARGS"
 DEFAULT_RANKS = (1, 2, 3, 4)
 
 _FIXTURE = "mpi_nranks"
-_STRIPPED_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPISTRATEGY_TEST_")
-_STRIPPED_NAMES = frozenset({"MPI_LOCALRANKID", "MPI_LOCALNRANKS"})
+_INNER_RUN_PREFIX = "MPISTRATEGY_TEST_"
 _POLL_SECONDS = 0.2
 _KILL_GRACE_SECONDS = 5.0
 _TAIL_LINES = 40
@@ -147,11 +142,9 @@ def clean_environ() -> dict[str, str]:
     variables behind (Lightning's ``PL_GLOBAL_SEED`` reseeds every later Trainer and its sampler), and an MPI job
     started after them must not depend on which tests ran before it.
     """
-    return {
-        key: value
-        for key, value in _STARTUP_ENVIRON.items()
-        if not key.startswith(_STRIPPED_PREFIXES) and key not in _STRIPPED_NAMES
-    }
+    from mpistrategy.launch import without_launcher_variables  # on use: importing mpistrategy initialises MPI
+
+    return without_launcher_variables(_STARTUP_ENVIRON, (_INNER_RUN_PREFIX,))
 
 
 def _parse_ranks(text: str) -> set[int]:
@@ -391,8 +384,10 @@ class _Job:
             return self._decide()
 
     def _command(self) -> list[str]:
+        from mpistrategy.launch import mpiexec_command  # on use: importing mpistrategy initialises MPI
+
         config = self._config
-        cmd = [*launcher(), "-n", str(self._nranks)]
+        cmd = [*mpiexec_command(), "-n", str(self._nranks)]
         cmd += [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         cmd += [f"--rootdir={config.rootpath}", f"--tb={config.option.tbstyle}"]
         if config.inipath is not None:
@@ -419,7 +414,7 @@ class _Job:
                     start_new_session=True,
                 )
             except OSError as exc:
-                return f"cannot launch {cmd[0]!r} (set {MPIEXEC_ENV}): {exc}"
+                return f"cannot launch {cmd[0]!r} (set MPISTRATEGY_MPIEXEC): {exc}"
             try:
                 overrun = self._watch(proc)
             finally:
@@ -523,19 +518,6 @@ def _teardown_outer(item: pytest.Item, nextitem: pytest.Item | None) -> str | No
     except Exception:
         return str(pytest.ExceptionInfo.from_current().getrepr(style="short"))
     return None
-
-
-def launcher() -> list[str]:
-    """The MPI launcher and its extra arguments: ``$MPISTRATEGY_MPIEXEC`` (plus ``$MPISTRATEGY_MPIEXEC_ARGS``),
-    else the mpiexec beside this Python, else the one on PATH."""
-    return [os.environ.get(MPIEXEC_ENV) or _default_mpiexec(), *shlex.split(os.environ.get(MPIEXEC_ARGS_ENV, ""))]
-
-
-def _default_mpiexec() -> str:
-    sibling = Path(sys.executable).with_name("mpiexec")
-    if os.access(sibling, os.X_OK):
-        return str(sibling)
-    return shutil.which("mpiexec") or "mpiexec"
 
 
 def _wait(proc: subprocess.Popen[bytes], seconds: float) -> int | None:

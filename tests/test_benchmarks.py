@@ -11,13 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.mpi_harness import clean_environ, launcher
+from mpistrategy.launch import mpiexec_command
+from tests.mpi_harness import clean_environ
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _run(script: str, results: Path, *args: str) -> str:
-    command = [*launcher(), "-n", "2", sys.executable, str(BENCHMARKS / script), "--quick", "--results", str(results)]
+    script_args = [str(BENCHMARKS / script), "--quick", "--results", str(results)]
+    command = [*mpiexec_command(), "-n", "2", sys.executable, *script_args]
     done = subprocess.run(
         [*command, *args], env=clean_environ(), capture_output=True, text=True, timeout=600, check=False
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi_harness import launcher
+from mpistrategy.launch import mpiexec_command
 from tests.recipes._cli import run, train_command
 
 FAST = ["experiment=debug", "trainer.max_epochs=2", "trainer.limit_val_batches=1"]
@@ -18,7 +18,7 @@ def test_a_two_rank_run_writes_one_run_dir_with_one_config_copy_and_one_set_of_l
     # Rank 1 starts 1.5 s after rank 0: left alone, Hydra would give it another timestamped run dir.
     train = train_command()
     command = [
-        *launcher(), "-n", "1", *train, *FAST, ":",
+        *mpiexec_command(), "-n", "1", *train, *FAST, ":",
         "-n", "1", "sh", "-c", 'sleep 1.5; exec "$@"', "sh", *train, *FAST,
     ]  # fmt: skip
     result = run(command, cwd=tmp_path, timeout=300, MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"))
@@ -42,7 +42,7 @@ def test_a_two_rank_run_writes_one_run_dir_with_one_config_copy_and_one_set_of_l
 
 def test_a_three_point_sweep_under_mpiexec_gives_three_results_and_a_comparison_plot(tmp_path: Path) -> None:
     result = run(
-        [*launcher(), "-n", "2", *train_command(), "-m", "model.hidden=16,32,64", *FAST],
+        [*mpiexec_command(), "-n", "2", *train_command(), "-m", "model.hidden=16,32,64", *FAST],
         cwd=tmp_path,
         timeout=420,
         MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"),
@@ -77,7 +77,7 @@ def test_the_main_job_reaches_95_percent_in_under_two_minutes(tmp_path: Path, ra
 
     start = time.monotonic()
     run(
-        [*launcher(), "-n", str(ranks), *train_command(), "callbacks.progress_bar.refresh_rate=0"],
+        [*mpiexec_command(), "-n", str(ranks), *train_command(), "callbacks.progress_bar.refresh_rate=0"],
         cwd=tmp_path,
         timeout=300,
         MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"),

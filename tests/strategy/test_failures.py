@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.mpi_harness import clean_environ, launcher
+from mpistrategy.launch import mpiexec_command
+from tests.mpi_harness import clean_environ
 
 SCRIPT = Path(__file__).parent / "scripts" / "failing_job.py"
 RANKS = 3
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 def _start(mode: str, directory: str) -> subprocess.Popen:
     env = clean_environ()
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
-    command = [*launcher(), "-n", str(RANKS), sys.executable, str(SCRIPT), mode, directory]
+    command = [*mpiexec_command(), "-n", str(RANKS), sys.executable, str(SCRIPT), mode, directory]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
