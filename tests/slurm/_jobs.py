@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.recipes._cli import clean_env
@@ -53,17 +54,32 @@ def state(job: str) -> str:
     return job_info(job).get("JobState", "UNKNOWN")
 
 
-def wait_for(job: str, timeout: float, states: set[str] = FINISHED, poll: float = 2.0) -> str:
-    """Wait until ``job`` is in one of ``states``; returns the state."""
+def wait_for(
+    job: str,
+    timeout: float,
+    states: set[str] = FINISHED,
+    poll: float = 2.0,
+    on_pending: Callable[[str], None] | None = None,
+) -> str:
+    """Wait until ``job`` is in one of ``states``; returns the state. ``on_pending(job)`` runs at every poll that
+    finds the job pending."""
     deadline = time.monotonic() + timeout
     last = "UNKNOWN"
     while time.monotonic() < deadline:
         last = state(job)
         if last in states:
             return last
+        if last == "PENDING" and on_pending is not None:
+            on_pending(job)
         time.sleep(poll)
+    reason = job_info(job).get("Reason", "?")
     subprocess.run(["scancel", job], timeout=30)
-    raise AssertionError(f"job {job} still {last} after {timeout:.0f} s (cancelled)")
+    raise AssertionError(f"job {job} still {last} (reason {reason}) after {timeout:.0f} s (cancelled)")
+
+
+def start_now(job: str) -> None:
+    """Let a pending job start at once: SLURM holds a requeued job back (Reason=BeginTime) before it may run again."""
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, timeout=30)
 
 
 def output_of(cwd: Path) -> str:

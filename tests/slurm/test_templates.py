@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm._jobs import TEMPLATES, job_env, job_info, output_of, sbatch, state, wait_for
+from tests.slurm._jobs import TEMPLATES, job_env, job_info, output_of, sbatch, start_now, state, wait_for
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -92,9 +92,7 @@ def test_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes_to_the_same_s
         time.sleep(1)
     hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"))
     assert [p.name for p in hpc] == ["hpc_ckpt_1.ckpt"], output_of(tmp_path)
-    if state(job) == "PENDING":
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
-    assert wait_for(job, timeout=900) == "COMPLETED", output_of(tmp_path)
+    assert wait_for(job, timeout=900, on_pending=start_now) == "COMPLETED", output_of(tmp_path)
 
     summary = _check_run(run_dir)
     assert summary["resumed_from"] == str(hpc[0])
