@@ -300,8 +300,8 @@ def _reducer_run():
     from torch import nn
 
     from mpistrategy.aggregation import MeanAggregator
+    from mpistrategy.comm.topology import topology
     from mpistrategy.strategy.reducer import GradientReducer
-    from mpistrategy.strategy.topology import topology
 
     def make_step(model, optimizer):
         reducer = GradientReducer(model, MeanAggregator(), topology())

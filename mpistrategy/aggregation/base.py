@@ -17,6 +17,8 @@ Rules every aggregator must follow, because the reducer relies on them:
   rank used in this backward, or an already combined gradient when several backward passes run before one
   step, as in manual optimization). Averaging is idempotent on equal values, so the default scheme is unaffected;
   a scheme with memory (error feedback, compression residuals) should account for it.
+- Every byte of payload this rank hands to MPI is recorded with ``context.sent(nbytes)`` (the mean records the
+  bucket's size; a compressor what it really sends), so that the strategy can log bytes per step.
 - State that must survive a checkpoint lives in :meth:`state_dict` / :meth:`load_state_dict`, which hold plain
   Python values and tensors. They are called on every rank; a scheme whose state differs between ranks must
   gather it in :meth:`state_dict` (a collective: every rank calls it) and scatter it back when loading.
@@ -30,9 +32,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from mpistrategy.comm.traffic import NODE, Scope, TrafficCounter
+
 if TYPE_CHECKING:
     from mpistrategy.comm.communicator import Communicator
-    from mpistrategy.strategy.topology import Topology
+    from mpistrategy.comm.topology import Topology
 
 
 class Work(Protocol):
@@ -78,17 +82,28 @@ class GradBucket:
 
 @dataclass
 class AggregationContext:
-    """What an aggregator may use: the gradient communicator, the node layout, and the bucket layout.
+    """What an aggregator may use: the communicator to combine over, the node layout, the bucket layout, and
+    where to count the bytes it sends.
 
     Attributes:
-        comm: a private communicator over all ranks that carries only gradient traffic.
-        topology: ranks, nodes and node-local / node-leader communicators (for hierarchical schemes).
+        comm: a private communicator that carries only gradient traffic: all ranks, or (when a sync mode uses
+            the aggregator for one level of a hierarchy) the node, the node leaders or the ranks of equal local
+            rank across nodes. Averages are over ``comm.size`` ranks.
+        topology: ranks, nodes and node-local / node-leader communicators.
         buckets: every bucket, in launch order (read-only for the aggregator).
+        traffic: counts this rank's payload bytes (see :mod:`mpistrategy.comm.traffic`).
+        scope: whether ``comm`` stays inside a node (``"node"``) or spans nodes (``"inter_node"``).
     """
 
     comm: Communicator
     topology: Topology
     buckets: list[GradBucket]
+    traffic: TrafficCounter = field(default_factory=TrafficCounter)
+    scope: Scope = NODE
+
+    def sent(self, nbytes: int) -> None:
+        """Record ``nbytes`` of payload sent by this rank on ``comm``."""
+        self.traffic.add(self.scope, nbytes)
 
 
 class Aggregator(ABC):

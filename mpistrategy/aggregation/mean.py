@@ -17,5 +17,6 @@ class MeanAggregator(Aggregator):
 
     def start(self, bucket: GradBucket) -> Work:
         assert self.context is not None, "MeanAggregator.setup() was not called"
+        self.context.sent(bucket.nbytes)
         with torch.no_grad():
             return iallreduce(bucket.buffer, "avg", self.context.comm, out=bucket.buffer)

@@ -13,9 +13,9 @@ _LAZY = {
     "MPIADStrategy": "mpistrategy.strategy.mpi_ad",
     "MPIEnvironment": "mpistrategy.strategy.environment",
     "GradientReducer": "mpistrategy.strategy.reducer",
-    "LaunchMismatchError": "mpistrategy.strategy.topology",
-    "Topology": "mpistrategy.strategy.topology",
-    "topology": "mpistrategy.strategy.topology",
+    "LaunchMismatchError": "mpistrategy.comm.topology",
+    "Topology": "mpistrategy.comm.topology",
+    "topology": "mpistrategy.comm.topology",
 }
 
 __all__ = sorted(_LAZY)

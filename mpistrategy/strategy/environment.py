@@ -13,7 +13,7 @@ import logging
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
-from mpistrategy.strategy.topology import Topology, topology
+from mpistrategy.comm.topology import Topology, topology
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +21,14 @@ log = logging.getLogger(__name__)
 class MPIEnvironmentMixin:
     """The implementation, shared with the ``pytorch_lightning`` twin (which needs its own base class).
 
-    Constructing it builds the process :class:`~mpistrategy.strategy.topology.Topology` on first use, which is
+    ``ranks_per_node`` makes groups of that many ranks act as nodes (see :mod:`mpistrategy.comm.topology`).
+    Constructing it builds the process :class:`~mpistrategy.comm.topology.Topology` on first use, which is
     collective: every rank must construct it (every rank constructs the ``Trainer``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ranks_per_node: int | None = None) -> None:
         super().__init__()
-        self._topology: Topology = topology()
+        self._topology: Topology = topology(ranks_per_node)
 
     @property
     def topology(self) -> Topology:
@@ -99,7 +100,7 @@ class MPIEnvironment(MPIEnvironmentMixin, ClusterEnvironment):
 
     Local rank: the rank among the processes sharing memory (``MPI.COMM_TYPE_SHARED``); node rank: the index of
     the node's leader among all leaders. Constructing it is collective over ``MPI.COMM_WORLD``. It raises
-    :class:`~mpistrategy.strategy.topology.LaunchMismatchError` when SLURM started several tasks but MPI sees a
+    :class:`~mpistrategy.comm.topology.LaunchMismatchError` when SLURM started several tasks but MPI sees a
     world of one.
     """
 

@@ -35,11 +35,11 @@ from torch import Tensor
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.comm.communicator import world
+from mpistrategy.comm.topology import Topology
 from mpistrategy.strategy import failures, sync
 from mpistrategy.strategy.environment import MPIEnvironment
 from mpistrategy.strategy.framework import LIGHTNING, framework
 from mpistrategy.strategy.reducer import GradientReducer
-from mpistrategy.strategy.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class MPIADStrategyMixin:
         """Ranks, nodes and communicators of this process (from the cluster environment)."""
         env = self.cluster_environment
         if not hasattr(env, "topology"):
-            from mpistrategy.strategy.topology import topology
+            from mpistrategy.comm.topology import topology
 
             return topology()
         return env.topology

@@ -49,7 +49,8 @@ from torch import nn
 
 from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBucket, Work
 from mpistrategy.comm.checks import validation
-from mpistrategy.strategy.topology import Topology
+from mpistrategy.comm.topology import Topology
+from mpistrategy.comm.traffic import TrafficCounter, scope_of
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class GradientReducer:
         topology: this process's ranks and communicators; gradients travel on ``topology.gradients``.
         bucket_cap_mb: size at which a bucket is closed.
         first_bucket_cap_mb: size at which the first bucket is closed (default: ``bucket_cap_mb``).
+        own_bucket_mb: a gradient of at least this many MB is its own bucket.
+        traffic: where the aggregator counts the bytes it sends (a new counter by default).
 
     Building it is collective: ranks check once that they built the same layout.
     """
@@ -119,8 +122,10 @@ class GradientReducer:
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         own_bucket_mb: float = 1.0,
+        traffic: TrafficCounter | None = None,
     ) -> None:
         self.module = module
+        self.traffic = traffic if traffic is not None else TrafficCounter()
         self.aggregator = aggregator
         self.topology = topology
         self.bucket_cap_mb = bucket_cap_mb
@@ -179,7 +184,9 @@ class GradientReducer:
         self._check_layout()
         self._flags = ()
         self._zero_plans = {}
-        self.aggregator.setup(AggregationContext(self.topology.gradients, self.topology, self.buckets))
+        scope = scope_of(self.topology.num_nodes > 1)
+        context = AggregationContext(self.topology.gradients, self.topology, self.buckets, self.traffic, scope)
+        self.aggregator.setup(context)
         log.debug("GradientReducer: %s", self)
 
     def _check_layout(self) -> None:

@@ -3,7 +3,7 @@ and the broadcast of a module's parameters and buffers from rank 0.
 
 Tensor reductions and gathers go through the differentiable collectives (so ``all_gather(sync_grads=True)`` is
 differentiable); small control traffic (objects, metric states, the initial broadcast) goes through the private
-``control`` communicator of the :class:`~mpistrategy.strategy.topology.Topology`.
+``control`` communicator of the :class:`~mpistrategy.comm.topology.Topology`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from mpistrategy.aggregation import MeanAggregator
+from mpistrategy.comm.topology import topology
 from mpistrategy.strategy.reducer import BucketLayoutError, GradientReducer, assign_buckets
-from mpistrategy.strategy.topology import topology
 from tests.strategy.helpers import COMM, RANK, SIZE
 
 

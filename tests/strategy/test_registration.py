@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpistrategy.strategy.topology import LaunchMismatchError, check_launch
+from mpistrategy.comm.topology import LaunchMismatchError, check_launch
 from tests.mpi_harness import clean_environ
 
 pytestmark = pytest.mark.skipif(
