@@ -5,10 +5,14 @@
 This class only overrides Lightning's hooks and delegates:
 
 - ranks and nodes: :class:`~mpistrategy.strategy.environment.MPIEnvironment` (from MPI, also under srun);
-- gradients: :class:`~mpistrategy.strategy.reducer.GradientReducer` (buckets whose non-blocking combination
-  starts during backward, finished in ``post_backward`` before clipping and the optimizer step; no sync inside
-  ``block_backward_sync``, i.e. on the intermediate micro-batches of gradient accumulation), combining with a
-  pluggable :class:`~mpistrategy.aggregation.Aggregator` (default: :class:`~mpistrategy.aggregation.MeanAggregator`);
+- gradients and model averaging: :class:`~mpistrategy.strategy.engine.DataParallelEngine`, the Trainer-independent
+  core: gradient buckets (:class:`~mpistrategy.strategy.reducer.GradientReducer`) whose non-blocking combination
+  starts during backward and is finished in ``post_backward`` before clipping and the optimizer step (no sync
+  inside ``block_backward_sync``, i.e. on the intermediate micro-batches of gradient accumulation), a pluggable
+  :class:`~mpistrategy.aggregation.Aggregator` (default: :class:`~mpistrategy.aggregation.MeanAggregator`), and a
+  step-level :class:`~mpistrategy.sync.SyncMode` (``sync=``: ``flat`` by default, ``hierarchical``,
+  ``local_sgd``, ``hierarchical_local_sgd``, ``daso``, ``gossip``) that picks whose gradients each step averages
+  and averages models after the optimizer step; bytes sent per step are logged as ``comm/*bytes_per_step``;
 - ``reduce``, ``all_gather``, ``broadcast``, ``barrier``, torchmetrics sync, the initial broadcast of parameters and
   buffers from rank 0: :mod:`~mpistrategy.strategy.sync`;
 - ``sync_batchnorm=True``: :class:`mpistrategy.nn.SyncBatchNorm`, built on the differentiable allreduce;
@@ -36,10 +40,14 @@ from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.comm.communicator import world
 from mpistrategy.comm.topology import Topology
+from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy import failures, sync
+from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.environment import MPIEnvironment
 from mpistrategy.strategy.framework import LIGHTNING, framework
 from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.sync import SyncMode, build_sync
+from mpistrategy.sync.transport import NODE_TRANSPORTS
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +59,17 @@ class MPIADStrategyMixin:
     """The strategy's implementation, shared by the ``lightning.pytorch`` and ``pytorch_lightning`` classes.
 
     Args:
-        aggregator: how gradient buckets are combined (default: :class:`~mpistrategy.aggregation.MeanAggregator`).
+        aggregator: how gradient buckets are combined (default: :class:`~mpistrategy.aggregation.MeanAggregator`);
+            under hierarchical modes, the combination across nodes.
+        sync: the step-level sync mode, a :class:`~mpistrategy.sync.SyncMode` or its name (``"flat"``, the
+            default: every step over all ranks; see :mod:`mpistrategy.sync`).
+        ranks_per_node: make groups of this many ranks act as nodes (default: nodes from MPI, or
+            ``MPISTRATEGY_RANKS_PER_NODE``): one machine can then act as several nodes.
+        node_transport: how node-local gradient averaging travels: ``"mpi"`` (the node's shared-memory
+            communicator, default), ``"gloo"`` or ``"nccl"`` (a torch.distributed group per node, its rendezvous
+            done over MPI).
+        log_traffic: log the payload bytes this rank sent in each optimizer step (``comm/bytes_per_step``, split
+            into ``comm/node_bytes_per_step`` and ``comm/inter_node_bytes_per_step``; rank 0's values).
         bucket_cap_mb: gradient bucket size cap in MB (DDP's default 25).
         first_bucket_cap_mb: cap of the first bucket, which is started first (default: ``bucket_cap_mb``). DDP
             uses 1 MB so that communication starts early; with MPI, whose non-blocking collectives progress only
@@ -89,6 +107,10 @@ class MPIADStrategyMixin:
         precision_plugin: Any = None,
         *,
         aggregator: Aggregator | None = None,
+        sync: SyncMode | str | None = None,
+        ranks_per_node: int | None = None,
+        node_transport: str = "mpi",
+        log_traffic: bool = True,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         own_bucket_mb: float = 1.0,
@@ -98,8 +120,11 @@ class MPIADStrategyMixin:
         checkpoint_on_stop: bool = True,
         set_num_threads: bool = True,
     ) -> None:
+        if node_transport not in NODE_TRANSPORTS:
+            valid = ", ".join(map(repr, NODE_TRANSPORTS))
+            raise ValueError(f"node_transport={node_transport!r} is not one of {valid}.")
         if cluster_environment is None:
-            cluster_environment = self._environment_class()
+            cluster_environment = self._environment_class(ranks_per_node)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -108,6 +133,9 @@ class MPIADStrategyMixin:
             precision_plugin=precision_plugin,
         )
         self.aggregator: Aggregator = aggregator if aggregator is not None else MeanAggregator()
+        self.sync: SyncMode = build_sync(sync)
+        self.node_transport = node_transport
+        self.log_traffic = log_traffic
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.own_bucket_mb = own_bucket_mb
@@ -118,9 +146,10 @@ class MPIADStrategyMixin:
         self._stop_signal_numbers = tuple(stop_signals)
         self._stop: failures.StopSignals | None = None
         self._checked_step = -1
-        self._reducer: GradientReducer | None = None
+        self._engine: DataParallelEngine | None = None
+        self._engine_state: dict[str, Any] | None = None
+        self._epoch: int | None = None
         self._sync_gradients = True
-        self._aggregator_state: dict[str, Any] | None = None
         self._layer_sync_applied: Any = None
         if self.abort_on_exception and self.world_size > 1:
             failures.install_excepthook()
@@ -205,23 +234,24 @@ class MPIADStrategyMixin:
         if fitting:
             self.setup_optimizers(trainer)
             if self.world_size > 1 and self.data_parallel:
-                self._reducer = GradientReducer(
-                    self.model,
+                self._engine = DataParallelEngine(
+                    self.sync,
                     self.aggregator,
                     self.topology,
                     self.bucket_cap_mb,
                     self.first_bucket_cap_mb,
                     self.own_bucket_mb,
+                    self.node_transport,
                 )
-            if self._aggregator_state is not None:
-                self.aggregator.load_state_dict(self._aggregator_state)
-                self._aggregator_state = None
+                self._engine.setup(self.model, self.optimizers)
+                if self._engine_state is not None:
+                    self._engine.load_state_dict(self._engine_state)
         self.setup_precision_plugin()
         if fitting:
             fw.optimizers_to_device(self.optimizers, self.root_device)
-            if self._reducer is not None:
+            if self.reducer is not None:
                 for optimizer, wrapper in zip(self.optimizers, self._lightning_optimizers, strict=True):
-                    self._reducer.attach_optimizer(optimizer, wrapper)
+                    self.reducer.attach_optimizer(optimizer, wrapper)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -237,12 +267,42 @@ class MPIADStrategyMixin:
     # ------------------------------------------------------------------------------------- gradient sync
 
     def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._reducer is not None:
-            self._reducer.prepare(sync=self._sync_gradients)
+        if self._engine is not None:
+            self._engine.pre_backward(self._sync_gradients)
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._reducer is not None:
-            self._reducer.wait()
+        if self._engine is not None:
+            self._engine.post_backward()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self._engine is not None and self._engine.sync.uses_loss:
+            self._engine.record_loss(output.get("loss") if isinstance(output, dict) else output)
+        return output
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step, then the sync mode's model averaging; logs the step's bytes."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._engine is not None:
+            self._engine.after_optimizer_step()
+            if self.log_traffic and self.lightning_module is not None and self.lightning_module._trainer is not None:
+                node, inter_node = self._engine.last_step_traffic
+                self.lightning_module.log_dict(
+                    {
+                        "comm/bytes_per_step": float(node + inter_node),
+                        "comm/node_bytes_per_step": float(node),
+                        "comm/inter_node_bytes_per_step": float(inter_node),
+                    },
+                    on_step=True,
+                    on_epoch=False,
+                    rank_zero_only=True,
+                )
+        return output
+
+    @property
+    def traffic(self) -> TrafficCounter | None:
+        """The payload bytes this rank sent while fitting (``None`` without gradient sync)."""
+        return self._engine.traffic if self._engine is not None else None
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -257,7 +317,7 @@ class MPIADStrategyMixin:
     @property
     def reducer(self) -> GradientReducer | None:
         """The gradient buckets while fitting with more than one rank, else ``None``."""
-        return self._reducer
+        return self._engine.reducer if self._engine is not None else None
 
     # -------------------------------------------------------------------------------------- collectives
 
@@ -291,9 +351,9 @@ class MPIADStrategyMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Rank 0 writes ``checkpoint`` atomically (temporary file + ``os.replace`` for local paths)."""
-        state = self.aggregator.state_dict()
+        state = self._engine.state_dict() if self._engine is not None else {}
         if state:
-            checkpoint[CHECKPOINT_KEY] = {"aggregator": state}
+            checkpoint[CHECKPOINT_KEY] = state
         if not self.is_global_zero:
             return
         path = os.fspath(filepath)
@@ -328,13 +388,20 @@ class MPIADStrategyMixin:
                 else None
             )
             checkpoint = control.bcast(loaded, root=0)
-        state = checkpoint.get(CHECKPOINT_KEY, {}).get("aggregator")
+        state = checkpoint.get(CHECKPOINT_KEY)
         if state:
-            if self._reducer is not None:
-                self.aggregator.load_state_dict(state)
+            if self._engine is not None:
+                self._engine.load_state_dict(state)
             else:
-                self._aggregator_state = state
+                self._engine_state = state
         return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Lightning's (rank 0's) optimizer states, then this rank's own replica where the sync mode keeps one."""
+        super().load_optimizer_state_dict(checkpoint)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state and self._engine is not None:
+            self._engine.restore_replica(state)
 
     # -------------------------------------------------------------------------------------- failures
 
@@ -353,12 +420,29 @@ class MPIADStrategyMixin:
             self._checked_step = -1
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each batch, after an optimizer step happened: the coordinated stop check (every rank)."""
+        """Before each batch: the sync mode's epoch boundaries; after an optimizer step happened: the coordinated
+        stop check (every rank)."""
+        if self._engine is not None and self.lightning_module is not None:
+            self._track_epoch(self.lightning_module.trainer)
         if self._stop is not None and self.lightning_module is not None:
             trainer = self.lightning_module.trainer
             if trainer.global_step != self._checked_step:
                 self._checked_step = trainer.global_step
                 self._check_stop(trainer)
+
+    def _track_epoch(self, trainer: Any) -> None:
+        """Tell the sync mode when an epoch ends and the next begins (its index, optimizer steps, total epochs)."""
+        assert self._engine is not None
+        epoch = trainer.current_epoch
+        if epoch == self._epoch:
+            return
+        if self._epoch is not None:
+            self._engine.end_epoch()
+        batches = trainer.num_training_batches
+        steps = None if batches == float("inf") else -(-int(batches) // max(1, trainer.accumulate_grad_batches))
+        total = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+        self._engine.begin_epoch(epoch, steps, total)
+        self._epoch = epoch
 
     def on_train_end(self) -> None:
         if self._stop is not None:
@@ -397,9 +481,10 @@ class MPIADStrategyMixin:
     # -------------------------------------------------------------------------------------- teardown
 
     def teardown(self) -> None:
-        if self._reducer is not None:
-            self._reducer.remove()
-            self._reducer = None
+        if self._engine is not None:
+            self._engine.teardown()
+            self._engine = None
+        self._epoch = None
         if self._stop is not None:
             self._stop.finish()
             self._stop.uninstall()
@@ -409,7 +494,8 @@ class MPIADStrategyMixin:
         super().teardown()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(world_size={self.world_size}, aggregator={self.aggregator!r})"
+        name = type(self).__name__
+        return f"{name}(world_size={self.world_size}, sync={self.sync!r}, aggregator={self.aggregator!r})"
 
 
 class MPIADStrategy(MPIADStrategyMixin, ParallelStrategy):

@@ -47,10 +47,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBucket, Work
+from mpistrategy.aggregation.base import Aggregator, GradBucket, Work
 from mpistrategy.comm.checks import validation
 from mpistrategy.comm.topology import Topology
-from mpistrategy.comm.traffic import TrafficCounter, scope_of
+from mpistrategy.comm.traffic import TrafficCounter
+from mpistrategy.sync.base import SyncContext, SyncMode
+from mpistrategy.sync.flat import FlatSync
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +106,14 @@ class GradientReducer:
 
     Args:
         module: the model; its parameters that require gradients are bucketed.
-        aggregator: how buckets are combined (see :mod:`mpistrategy.aggregation`).
-        topology: this process's ranks and communicators; gradients travel on ``topology.gradients``.
+        sync: the step-level :class:`~mpistrategy.sync.SyncMode` (already set up) that picks each step's
+            aggregator, or an :class:`~mpistrategy.aggregation.Aggregator` to combine every step's buckets over
+            all ranks (the flat mode).
+        topology: this process's ranks and communicators.
         bucket_cap_mb: size at which a bucket is closed.
         first_bucket_cap_mb: size at which the first bucket is closed (default: ``bucket_cap_mb``).
         own_bucket_mb: a gradient of at least this many MB is its own bucket.
-        traffic: where the aggregator counts the bytes it sends (a new counter by default).
+        traffic: where an aggregator given as ``sync`` counts the bytes it sends (a new counter by default).
 
     Building it is collective: ranks check once that they built the same layout.
     """
@@ -117,7 +121,7 @@ class GradientReducer:
     def __init__(
         self,
         module: nn.Module,
-        aggregator: Aggregator,
+        sync: SyncMode | Aggregator,
         topology: Topology,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
@@ -125,8 +129,12 @@ class GradientReducer:
         traffic: TrafficCounter | None = None,
     ) -> None:
         self.module = module
-        self.traffic = traffic if traffic is not None else TrafficCounter()
-        self.aggregator = aggregator
+        if isinstance(sync, Aggregator):
+            flat = FlatSync()
+            flat.setup(SyncContext(module, topology, sync, traffic if traffic is not None else TrafficCounter()))
+            sync = flat
+        self.sync = sync
+        self.aggregator: Aggregator | None = None
         self.topology = topology
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
@@ -184,9 +192,7 @@ class GradientReducer:
         self._check_layout()
         self._flags = ()
         self._zero_plans = {}
-        scope = scope_of(self.topology.num_nodes > 1)
-        context = AggregationContext(self.topology.gradients, self.topology, self.buckets, self.traffic, scope)
-        self.aggregator.setup(context)
+        self.sync.setup_buckets(self.buckets)
         log.debug("GradientReducer: %s", self)
 
     def _check_layout(self) -> None:
@@ -223,8 +229,9 @@ class GradientReducer:
             self._flags = flags
             self._active = [[p.requires_grad for p in b.params] for b in self.buckets]
             self._active_count = [sum(a) for a in self._active]
-        self._armed = sync
-        if sync:
+        self.aggregator = self.sync.gradient_aggregator() if sync else None
+        self._armed = self.aggregator is not None
+        if self._armed:
             self._pending = list(self._active_count)
             self._works = [None] * len(self.buckets)
             self._next = 0
@@ -382,4 +389,4 @@ class GradientReducer:
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.nbytes / _MB:.2f} MB" for b in self.buckets)
-        return f"GradientReducer({len(self.buckets)} buckets: [{sizes}], aggregator={self.aggregator!r})"
+        return f"GradientReducer({len(self.buckets)} buckets: [{sizes}], sync={self.sync!r})"

@@ -1,0 +1,203 @@
+"""The data-parallel core of the ``mpi_ad`` strategy, independent of Lightning's Trainer.
+
+:class:`DataParallelEngine` owns the step-level :class:`~mpistrategy.sync.SyncMode`, the gradient buckets
+(:class:`~mpistrategy.strategy.reducer.GradientReducer`) and the traffic counter, and exposes the calls a
+training loop makes, in order: :meth:`~DataParallelEngine.setup` once; per optimizer step
+:meth:`~DataParallelEngine.pre_backward` / :meth:`~DataParallelEngine.post_backward` around each backward pass,
+then :meth:`~DataParallelEngine.after_optimizer_step`; :meth:`~DataParallelEngine.begin_epoch` /
+:meth:`~DataParallelEngine.end_epoch` around epochs; :meth:`~DataParallelEngine.state_dict` /
+:meth:`~DataParallelEngine.load_state_dict` / :meth:`~DataParallelEngine.restore_replica` for checkpoints. The
+Trainer strategy calls them from its hooks; a Fabric strategy calls the same.
+
+Replicas. Under ``flat`` and ``hierarchical`` every rank holds the same model and optimizer state, so a rank-0
+checkpoint is the whole state. Modes whose replicas differ between steps (local SGD, DASO, gossip: see
+:attr:`~mpistrategy.sync.SyncMode.replicas`) need each replica's model and optimizer state to resume the same
+trajectory: :meth:`~DataParallelEngine.state_dict` gathers one copy per distinct replica (per node, or per rank)
+to rank 0, and :meth:`~DataParallelEngine.restore_replica` gives every rank its own back after the checkpoint's
+rank-0 state was loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpistrategy.aggregation.base import Aggregator
+from mpistrategy.comm.topology import Topology
+from mpistrategy.comm.traffic import TrafficCounter
+from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
+
+log = logging.getLogger(__name__)
+
+
+class DataParallelEngine:
+    """Gradient buckets plus a sync mode over one module (see the module docstring).
+
+    Args:
+        sync: the sync mode (not yet set up).
+        aggregator: the gradient aggregator of the level that spans nodes.
+        topology: ranks, nodes and communicators.
+        bucket_cap_mb, first_bucket_cap_mb, own_bucket_mb: the bucket layout (see
+            :class:`~mpistrategy.strategy.reducer.GradientReducer`).
+        node_transport: ``"mpi"``, ``"gloo"`` or ``"nccl"`` for node-local gradient averaging.
+    """
+
+    def __init__(
+        self,
+        sync: SyncMode,
+        aggregator: Aggregator,
+        topology: Topology,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float | None = None,
+        own_bucket_mb: float = 1.0,
+        node_transport: str = "mpi",
+    ) -> None:
+        self.sync = sync
+        self.aggregator = aggregator
+        self.topology = topology
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.own_bucket_mb = own_bucket_mb
+        self.node_transport = node_transport
+        self.traffic = TrafficCounter()
+        self.last_step_traffic: tuple[int, int] = (0, 0)
+        self.reducer: GradientReducer | None = None
+        self.module: nn.Module | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Set the sync mode up and build the gradient buckets (collective). Configuration errors raise on every
+        rank: each rank checks the same configuration, and a failure on some ranks only is agreed on."""
+        self.module, self.optimizers = module, list(optimizers)
+        context = SyncContext(module, self.topology, self.aggregator, self.traffic, self.node_transport, optimizers)
+        problem: BaseException | None = None
+        try:
+            self.sync.setup(context)
+        except (SyncConfigurationError, ValueError, TypeError) as error:
+            problem = error
+        self._agree_on(problem, "setting up the sync mode")
+        self.reducer = GradientReducer(
+            module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
+        )
+
+    def _agree_on(self, problem: BaseException | None, what: str) -> None:
+        """Raise ``problem`` on its rank and a :class:`SyncConfigurationError` on the others, if any rank has one."""
+        control = self.topology.control
+        failed = control.allgather(problem is not None) if control.Get_size() > 1 else [problem is not None]
+        if problem is not None:
+            raise problem
+        if any(failed):
+            ranks = [rank for rank, bad in enumerate(failed) if bad]
+            raise SyncConfigurationError(f"{what} failed on rank(s) {ranks} (see the error raised there).")
+
+    # ---------------------------------------------------------------------------------------------- steps
+
+    def pre_backward(self, sync_gradients: bool) -> None:
+        """Before each backward pass: ``sync_gradients`` is False inside gradient accumulation."""
+        if self.reducer is not None:
+            self.reducer.prepare(sync=sync_gradients)
+
+    def post_backward(self) -> None:
+        """After each backward pass, before clipping and the optimizer step: finish the gradient buckets."""
+        if self.reducer is not None:
+            self.reducer.wait()
+
+    def after_optimizer_step(self) -> None:
+        """After the optimizer step: the sync mode's parameter work; the step's bytes go to
+        :attr:`last_step_traffic` (``(node, inter_node)`` bytes this rank sent in the step)."""
+        self.sync.after_optimizer_step()
+        self.last_step_traffic = self.traffic.take()
+
+    def begin_epoch(self, epoch: int, steps: int | None, total_epochs: int | None) -> None:
+        self.sync.begin_epoch(epoch, steps, total_epochs)
+
+    def end_epoch(self) -> None:
+        self.sync.end_epoch()
+
+    def record_loss(self, loss: Any) -> None:
+        """Give the sync mode a training step's loss when it asks for it (DASO's plateau detector)."""
+        if self.sync.uses_loss and loss is not None:
+            self.sync.record_loss(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sync mode's and the aggregator's state and, for diverging replicas, every replica's model and
+        optimizer state (collective; the result is complete on rank 0)."""
+        state: dict[str, Any] = {"sync": {"name": self.sync.name, "state": self.sync.state_dict()}}
+        if self.aggregator.context is not None or self.topology.rank == 0:
+            aggregator = self.aggregator.state_dict()
+            if aggregator:
+                state["aggregator"] = aggregator
+        replicas = self._gather_replicas()
+        if replicas is not None:
+            state["replicas"] = replicas
+        return state
+
+    def _replica_index(self) -> int | None:
+        scope = self.sync.replicas
+        if scope == "node":
+            return self.topology.node_rank
+        if scope == "rank":
+            return self.topology.rank
+        return None
+
+    def _gather_replicas(self) -> dict[str, Any] | None:
+        index = self._replica_index()
+        if index is None or self.module is None:
+            return None
+        representative = self.sync.replicas == "rank" or self.topology.is_leader
+        mine = None
+        if representative:
+            mine = {
+                "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
+                "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            }
+        control = self.topology.control
+        everyone = control.gather((index, mine), root=0) if control.Get_size() > 1 else [(index, mine)]
+        if everyone is None:
+            return {"scope": self.sync.replicas}
+        copies = {i: copy for i, copy in everyone if copy is not None}
+        return {"scope": self.sync.replicas, "copies": [copies[i] for i in sorted(copies)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the sync mode's and the aggregator's state (before the model's weights are loaded)."""
+        sync_state = state.get("sync")
+        if sync_state is not None:
+            if sync_state["name"] != self.sync.name:
+                raise SyncConfigurationError(
+                    f"the checkpoint was written with sync mode {sync_state['name']!r}, but this run uses "
+                    f"{self.sync.name!r}; resume with the same mode, or load only the weights."
+                )
+            self.sync.load_state_dict(sync_state["state"])
+        aggregator = state.get("aggregator")
+        if aggregator and (self.aggregator.context is not None or self.topology.rank == 0):
+            self.aggregator.load_state_dict(aggregator)
+
+    def restore_replica(self, state: dict[str, Any]) -> None:
+        """After the checkpoint's (rank-0) model and optimizer state were loaded: load this rank's own replica."""
+        replicas = state.get("replicas")
+        index = self._replica_index()
+        if not replicas or index is None or self.module is None:
+            return
+        copies = replicas["copies"]
+        if replicas["scope"] != self.sync.replicas or index >= len(copies):
+            raise SyncConfigurationError(
+                f"the checkpoint holds {len(copies)} {replicas['scope']} replicas, but this run needs replica "
+                f"{index} of scope {self.sync.replicas!r}; resume {self.sync.name} with the layout it was saved with."
+            )
+        copy = copies[index]
+        self.module.load_state_dict(copy["model"])
+        for optimizer, optimizer_state in zip(self.optimizers, copy["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+
+    def teardown(self) -> None:
+        """Complete the sync mode's work in flight and remove the reducer's hooks."""
+        self.sync.finish()
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None

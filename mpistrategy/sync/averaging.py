@@ -1,0 +1,204 @@
+"""Averaging a model's state over ranks: the parameters that train and the floating-point buffers.
+
+The averaged state ``x`` is every parameter that requires a gradient (of every parameter group) and every
+floating-point buffer (BatchNorm running statistics), packed into flat host buffers, one per dtype. The result is
+the mean over all ``P`` ranks, ``x_bar = (1/P) sum_r x_r``, by one of two routes:
+
+- ``"world"``: one allreduce (sum) over all ranks, then ``/ P``;
+- ``"nodes"``: a sum inside each node (shared memory), an allreduce among the node leaders (the only traffic
+  between nodes: one copy of the state per node), a broadcast inside each node, then ``/ P``.
+
+The inter-node part can be non-blocking (:meth:`ModelAverager.start` returns an :class:`Averaging` whose
+:meth:`Averaging.result` completes it later), split into chunks of ``chunk_elements`` (so that MPI can pipeline
+them) and sent in a ``wire_dtype`` (bfloat16 or float16: two bytes per element, summed pairwise in float32, see
+:mod:`mpistrategy.comm.low_precision`). What a mode does with the mean (replace, or merge with the current
+state) is the mode's business: :meth:`ModelAverager.assign` and :meth:`ModelAverager.merge`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from mpistrategy.comm.buffers import mpi_buffer, mpi_op
+from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.low_precision import HALF_DTYPES, half_buffer, half_sum
+from mpistrategy.comm.topology import Topology
+from mpistrategy.comm.traffic import INTER_NODE, NODE, TrafficCounter
+
+ROUTES = ("world", "nodes")
+
+
+def averaged_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """What model averaging averages: parameters that require a gradient, then floating-point buffers."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    buffers = [b for b in module.buffers() if b.dtype.is_floating_point]
+    return params + buffers
+
+
+@dataclass
+class Averaging:
+    """A mean of the state in flight; :meth:`result` completes it and returns the flat means (one per dtype)."""
+
+    averager: ModelAverager
+    flats: list[torch.Tensor]
+    wires: list[torch.Tensor]
+    requests: list[MPI.Request] = field(default_factory=list)
+    done: bool = False
+
+    def test(self) -> bool:
+        """Whether the inter-node part completed (never blocks; drives MPI progress)."""
+        return self.done or not self.requests or MPI.Request.Testall(self.requests)
+
+    def result(self) -> list[torch.Tensor]:
+        """Complete the average (waits for the inter-node part; broadcasts inside the node) and return the means."""
+        if not self.done:
+            self.averager._complete(self)
+            self.done = True
+        return self.flats
+
+
+class ModelAverager:
+    """Averages a module's trainable parameters and floating-point buffers over all ranks (module docstring).
+
+    Args:
+        module: the model.
+        topology: this process's ranks, nodes and communicators.
+        traffic: counts the bytes sent.
+        route: ``"world"`` or ``"nodes"``.
+        chunk_elements: the most elements per inter-node message.
+
+    Building it is collective (it duplicates the communicators it uses, so its traffic in flight never matches
+    anybody else's).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        topology: Topology,
+        traffic: TrafficCounter,
+        route: str = "world",
+        chunk_elements: int = 10_000_000,
+    ) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"ModelAverager: route={route!r} is not one of {ROUTES}.")
+        if chunk_elements < 1:
+            raise ValueError(f"ModelAverager: chunk_elements={chunk_elements} must be at least 1.")
+        self.topology = topology
+        self.traffic = traffic
+        self.route = route
+        self.chunk_elements = int(chunk_elements)
+        self.tensors = averaged_tensors(module)
+        self._groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in self.tensors:
+            self._groups.setdefault(tensor.dtype, []).append(tensor)
+        if route == "world":
+            self.world = Communicator(topology.gradients.comm.Dup())
+            self.node = self.leaders = None
+        else:
+            self.world = None
+            self.node = Communicator(topology.node_comm.Dup())
+            self.leaders = Communicator(topology.leader_comm.Dup()) if topology.is_leader else None
+
+    @property
+    def numel(self) -> int:
+        """The number of averaged elements."""
+        return sum(t.numel() for t in self.tensors)
+
+    def pack(self) -> list[torch.Tensor]:
+        """The current state as flat host buffers, one per dtype (copies)."""
+        flats = []
+        for tensors in self._groups.values():
+            flats.append(torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors]))
+        return flats
+
+    def start(self, wire_dtype: torch.dtype | None = None) -> Averaging:
+        """Start averaging the current state: the node sum completes now, the inter-node part is left in flight.
+
+        ``wire_dtype`` (``torch.bfloat16`` or ``torch.float16``) halves the inter-node bytes; ``None`` sends the
+        state's own dtype.
+        """
+        if wire_dtype is not None and wire_dtype not in HALF_DTYPES:
+            raise ValueError(f"ModelAverager: wire_dtype={wire_dtype} must be None, torch.bfloat16 or torch.float16.")
+        flats = self.pack()
+        spans_nodes = self.topology.num_nodes > 1
+        if self.route == "nodes":
+            for flat in flats:
+                self.traffic.add(NODE, flat.nbytes)
+                if self.node.size > 1:
+                    self.node.forward.Allreduce(MPI.IN_PLACE, mpi_buffer(flat), MPI.SUM)
+            comm = self.leaders
+        else:
+            comm = self.world
+        wires: list[torch.Tensor] = []
+        requests: list[MPI.Request] = []
+        if comm is not None:
+            for flat in flats:
+                wire = flat if wire_dtype is None or flat.dtype == wire_dtype else flat.to(wire_dtype)
+                wires.append(wire)
+                self.traffic.add(INTER_NODE if spans_nodes else NODE, wire.nbytes)
+                if comm.size > 1:
+                    requests += self._post(comm, wire)
+        return Averaging(self, flats, wires, requests)
+
+    def _post(self, comm: Communicator, wire: torch.Tensor) -> list[MPI.Request]:
+        requests = []
+        for begin in range(0, wire.numel(), self.chunk_elements):
+            chunk = wire[begin : begin + self.chunk_elements]
+            if wire.dtype in HALF_DTYPES:
+                requests.append(comm.forward.Iallreduce(MPI.IN_PLACE, half_buffer(chunk), half_sum(wire.dtype)))
+            else:
+                requests.append(comm.forward.Iallreduce(MPI.IN_PLACE, mpi_buffer(chunk), mpi_op(wire.dtype, "sum")))
+        return requests
+
+    def _complete(self, averaging: Averaging) -> None:
+        if averaging.requests:
+            MPI.Request.Waitall(averaging.requests)
+        for flat, wire in zip(averaging.flats, averaging.wires, strict=False):  # no wires off the node leaders
+            if wire is not flat:
+                flat.copy_(wire)
+        if self.route == "nodes" and self.node.size > 1:
+            for flat in averaging.flats:
+                self.node.forward.Bcast(mpi_buffer(flat), root=0)
+        for flat in averaging.flats:
+            flat.mul_(1.0 / self.topology.size)
+
+    def average(self, wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The mean state over all ranks, blocking."""
+        return self.start(wire_dtype).result()
+
+    def equalize_in_node(self) -> None:
+        """Replace the state by its mean over this node's ranks (blocking, shared memory only)."""
+        if self.node is None or self.node.size == 1:
+            return
+        flats = self.pack()
+        for flat in flats:
+            self.traffic.add(NODE, flat.nbytes)
+            self.node.forward.Allreduce(MPI.IN_PLACE, mpi_buffer(flat), MPI.SUM)
+            flat.mul_(1.0 / self.node.size)
+        self.assign(flats)
+
+    def assign(self, flats: list[torch.Tensor]) -> None:
+        """Set the state to ``flats`` (as :meth:`pack` lays it out)."""
+        self._apply(flats, lambda current, mean: current.copy_(mean))
+
+    def merge(self, flats: list[torch.Tensor], own: float, other: float) -> None:
+        """Set the state to ``own * current + other * flats``."""
+        self._apply(flats, lambda current, mean: current.mul_(own).add_(mean, alpha=other))
+
+    def _apply(self, flats: list[torch.Tensor], update: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+        with torch.no_grad():
+            for tensors, flat in zip(self._groups.values(), flats, strict=True):
+                offset = 0
+                for tensor in tensors:
+                    count = tensor.numel()
+                    mean = flat[offset : offset + count].view_as(tensor).to(tensor.device, non_blocking=True)
+                    update(tensor.data, mean)
+                    offset += count
+
+    def __repr__(self) -> str:
+        return f"ModelAverager(route={self.route!r}, {self.numel} elements)"

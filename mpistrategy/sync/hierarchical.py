@@ -1,0 +1,41 @@
+"""Hierarchical gradient averaging: every step, through the node hierarchy, with the result of flat averaging.
+
+Per bucket (see :class:`~mpistrategy.sync.levels.HierarchicalAggregator`): a sum inside each node over the node
+transport, the node leaders' combination across nodes by the user's aggregator (the mean over the ``N`` leaders of
+``S_n N / P``, which is ``(1/P) sum_r g_r``), and a broadcast inside each node. Only one copy of each bucket per
+node crosses the network, instead of one per rank; a compressing aggregator compresses only that inter-node step.
+"""
+
+from __future__ import annotations
+
+from mpistrategy.aggregation.base import Aggregator, GradBucket
+from mpistrategy.sync.base import SyncContext, SyncMode
+from mpistrategy.sync.levels import HierarchicalAggregator
+from mpistrategy.sync.transport import node_transport
+
+
+class HierarchicalSync(SyncMode):
+    """Every step: node sum, inter-node combination among node leaders, node broadcast."""
+
+    name = "hierarchical"
+
+    def setup(self, context: SyncContext) -> None:
+        super().setup(context)
+        topology = context.topology
+        self.transport = node_transport(topology, context.node_transport)
+        scale = topology.num_nodes / topology.size
+        self.aggregator = HierarchicalAggregator(self.transport, context.aggregator, topology.is_leader, scale)
+
+    def setup_buckets(self, buckets: list[GradBucket]) -> None:
+        topology = self.ctx.topology
+        self.aggregator.setup(self.aggregation_context(buckets, topology.node_gradients, spans_nodes=False))
+        if topology.leader_gradients is not None:
+            spans_nodes = topology.num_nodes > 1
+            inner = self.aggregation_context(buckets, topology.leader_gradients, spans_nodes)
+            self.ctx.aggregator.setup(inner)
+
+    def gradient_aggregator(self) -> Aggregator:
+        return self.aggregator
+
+    def __repr__(self) -> str:
+        return f"HierarchicalSync(node_transport={self.ctx.node_transport!r})" if self.context else "HierarchicalSync()"

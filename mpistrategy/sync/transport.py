@@ -1,0 +1,158 @@
+"""Node-local transports: how tensors move between the ranks of one node.
+
+Two kinds, chosen with ``node_transport``:
+
+- ``"mpi"`` (default): the node's MPI communicator (``Split_type(COMM_TYPE_SHARED)``), whose messages MPI moves
+  through shared memory. CUDA tensors are staged through host memory unless MPI is CUDA-aware.
+- ``"gloo"`` / ``"nccl"``: a ``torch.distributed`` process group per node (NCCL for GPUs; gloo on the CPU). Its
+  rendezvous is done over MPI: the node leader opens a ``TCPStore`` on a free loopback port and tells the node's
+  ranks the port through the node communicator, so users set no ``MASTER_ADDR``, port or torchrun. The group is a
+  standalone object: it does not initialise torch.distributed's default group.
+
+Both offer the two operations the sync modes need, non-blocking: a sum over the node's ranks in place, and a
+broadcast from one local rank in place. Each returns a :class:`~mpistrategy.aggregation.Work`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from mpistrategy.aggregation.base import Work
+from mpistrategy.collectives.handles import Pending
+from mpistrategy.collectives.reduction import iallreduce
+from mpistrategy.comm.buffers import mpi_buffer, needs_staging
+from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.topology import Topology
+
+NODE_TRANSPORTS = ("mpi", "gloo", "nccl")
+
+
+class NodeTransport(ABC):
+    """Non-blocking in-place operations over the ranks of one node."""
+
+    rank: int
+    size: int
+
+    @abstractmethod
+    def start_sum(self, tensor: torch.Tensor) -> Work:
+        """Start replacing ``tensor`` (contiguous) by the sum of every local rank's ``tensor``."""
+
+    @abstractmethod
+    def start_broadcast(self, tensor: torch.Tensor, root: int = 0) -> Work:
+        """Start replacing ``tensor`` (contiguous) on every local rank by local rank ``root``'s."""
+
+
+class MPINodeTransport(NodeTransport):
+    """The node's MPI communicator (see the module docstring)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+
+    def start_sum(self, tensor: torch.Tensor) -> Work:
+        with torch.no_grad():
+            return iallreduce(tensor, "sum", self.comm, out=tensor)
+
+    def start_broadcast(self, tensor: torch.Tensor, root: int = 0) -> Work:
+        if self.size == 1:
+            return Pending([], _none)
+        if not needs_staging(tensor):
+            request = self.comm.forward.Ibcast(mpi_buffer(tensor), root=root)
+            return Pending([request], _none, keepalive=(tensor,))
+        host = tensor.detach().cpu()
+        request = self.comm.forward.Ibcast(mpi_buffer(host), root=root)
+        return Pending([request], lambda: tensor.copy_(host), keepalive=(host,))
+
+
+class TorchNodeTransport(NodeTransport):
+    """A ``torch.distributed`` process group over the node's ranks (rendezvous over MPI)."""
+
+    def __init__(self, topology: Topology, backend: str, timeout_seconds: float = 1800.0) -> None:
+        self.rank, self.size = topology.local_rank, topology.local_size
+        self.backend = backend
+        self.group = _node_process_group(topology, backend, timeout_seconds)
+
+    def start_sum(self, tensor: torch.Tensor) -> Work:
+        import torch.distributed as dist
+
+        return _TorchWork(self.group.allreduce([tensor], dist.AllreduceOptions()))
+
+    def start_broadcast(self, tensor: torch.Tensor, root: int = 0) -> Work:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        return _TorchWork(self.group.broadcast([tensor], options))
+
+
+class _TorchWork:
+    """A ``torch.distributed`` work handle as a :class:`~mpistrategy.aggregation.Work`."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        self.work.wait()
+
+    def test(self) -> bool:
+        return self.work.is_completed()
+
+
+def _none() -> None:
+    return None
+
+
+def _node_process_group(topology: Topology, backend: str, timeout_seconds: float) -> Any:
+    """A process group over this node's ranks, its ``TCPStore`` on the leader's loopback port (sent by MPI)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    node = topology.node_comm
+    store = None
+    problem = ""
+    if topology.is_leader:
+        try:
+            store = dist.TCPStore("127.0.0.1", 0, topology.local_size, True, timeout=timeout, wait_for_workers=False)
+        except Exception as error:  # noqa: BLE001 - reported on every rank of the node below
+            problem = f"{type(error).__name__}: {error}"
+    port, problem = node.bcast((store.port if store is not None else 0, problem), root=0)
+    if problem:
+        raise RuntimeError(f"node_transport={backend!r}: the node leader could not open its TCPStore ({problem}).")
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, topology.local_size, False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"mpistrategy/node{topology.node_rank}", store)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        group = dist.ProcessGroupGloo(prefixed, topology.local_rank, topology.local_size, options)
+    else:
+        group = dist.ProcessGroupNCCL(prefixed, topology.local_rank, topology.local_size)
+    group._mpistrategy_store = store  # the leader's store must live as long as the group
+    node.Barrier()
+    return group
+
+
+def node_transport(topology: Topology, kind: str) -> NodeTransport:
+    """The node-local transport ``kind`` (one of :data:`NODE_TRANSPORTS`) for this process's node (collective)."""
+    if kind == "mpi":
+        return MPINodeTransport(topology.node_gradients)
+    if kind in ("gloo", "nccl"):
+        import torch.distributed as dist
+
+        available = dist.is_available() and (dist.is_gloo_available() if kind == "gloo" else dist.is_nccl_available())
+        if not available:
+            raise ValueError(
+                f"node_transport={kind!r}: this torch build has no {kind} backend; use node_transport='mpi'"
+                + ("" if kind == "gloo" else " or 'gloo'")
+                + "."
+            )
+        return TorchNodeTransport(topology, kind)
+    raise ValueError(f"node_transport={kind!r} is not one of {', '.join(map(repr, NODE_TRANSPORTS))}.")
+
