@@ -28,6 +28,7 @@ from torch import nn
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
+from mpistrategy.strategy.failures import mark_raised_on_every_rank
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 
@@ -44,6 +45,7 @@ class DataParallelEngine:
         bucket_cap_mb, first_bucket_cap_mb, own_bucket_mb: the bucket layout (see
             :class:`~mpistrategy.strategy.reducer.GradientReducer`).
         node_transport: ``"mpi"``, ``"gloo"`` or ``"nccl"`` for node-local gradient averaging.
+        traffic: where the bytes sent are counted (a new counter by default).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class DataParallelEngine:
         first_bucket_cap_mb: float | None = None,
         own_bucket_mb: float = 1.0,
         node_transport: str = "mpi",
+        traffic: TrafficCounter | None = None,
     ) -> None:
         self.sync = sync
         self.aggregator = aggregator
@@ -63,7 +66,7 @@ class DataParallelEngine:
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.own_bucket_mb = own_bucket_mb
         self.node_transport = node_transport
-        self.traffic = TrafficCounter()
+        self.traffic = traffic if traffic is not None else TrafficCounter()
         self.last_step_traffic: tuple[int, int] = (0, 0)
         self.reducer: GradientReducer | None = None
         self.module: nn.Module | None = None
@@ -89,10 +92,11 @@ class DataParallelEngine:
         control = self.topology.control
         failed = control.allgather(problem is not None) if control.Get_size() > 1 else [problem is not None]
         if problem is not None:
-            raise problem
+            raise mark_raised_on_every_rank(problem)
         if any(failed):
             ranks = [rank for rank, bad in enumerate(failed) if bad]
-            raise SyncConfigurationError(f"{what} failed on rank(s) {ranks} (see the error raised there).")
+            error = SyncConfigurationError(f"{what} failed on rank(s) {ranks} (see the error raised there).")
+            raise mark_raised_on_every_rank(error)
 
     # ---------------------------------------------------------------------------------------------- steps
 

@@ -84,7 +84,8 @@ def install_excepthook() -> None:
         if isinstance(error, SystemExit) and error.code in (None, 0):
             previous(kind, error, tb)
             return
-        abort(error, tb)
+        if not raised_on_every_rank(error):
+            abort(error, tb)
         previous(kind, error, tb)
 
     sys.excepthook = hook
@@ -94,6 +95,18 @@ def install_excepthook() -> None:
 def is_coordinated_stop(error: BaseException) -> bool:
     """Whether ``error`` was raised on every rank together by a coordinated stop (not a failure)."""
     return bool(getattr(error, "_mpistrategy_coordinated_stop", False))
+
+
+def raised_on_every_rank(error: BaseException) -> bool:
+    """Whether every rank raises ``error`` (or its counterpart) together, so that no rank is left waiting and the
+    job need not be aborted: each rank ends with its own traceback."""
+    return bool(getattr(error, "_mpistrategy_every_rank", False))
+
+
+def mark_raised_on_every_rank(error: BaseException) -> BaseException:
+    """Record that every rank raises ``error`` (or its counterpart) together (see :func:`raised_on_every_rank`)."""
+    error._mpistrategy_every_rank = True  # type: ignore[attr-defined]
+    return error
 
 
 def mark_coordinated_stop(error: BaseException) -> BaseException:

@@ -147,6 +147,7 @@ class MPIADStrategyMixin:
         self._stop: failures.StopSignals | None = None
         self._checked_step = -1
         self._engine: DataParallelEngine | None = None
+        self._traffic = TrafficCounter()
         self._engine_state: dict[str, Any] | None = None
         self._epoch: int | None = None
         self._sync_gradients = True
@@ -242,6 +243,7 @@ class MPIADStrategyMixin:
                     self.first_bucket_cap_mb,
                     self.own_bucket_mb,
                     self.node_transport,
+                    self._traffic,
                 )
                 self._engine.setup(self.model, self.optimizers)
                 if self._engine_state is not None:
@@ -300,9 +302,9 @@ class MPIADStrategyMixin:
         return output
 
     @property
-    def traffic(self) -> TrafficCounter | None:
-        """The payload bytes this rank sent while fitting (``None`` without gradient sync)."""
-        return self._engine.traffic if self._engine is not None else None
+    def traffic(self) -> TrafficCounter:
+        """The payload bytes this rank sent for gradient and model averaging, per step and in total."""
+        return self._traffic
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -406,8 +408,10 @@ class MPIADStrategyMixin:
     # -------------------------------------------------------------------------------------- failures
 
     def on_exception(self, exception: BaseException) -> None:
-        """Abort every rank (after printing the traceback) unless the exception is a coordinated stop."""
-        if failures.is_coordinated_stop(exception) or not self.abort_on_exception:
+        """Abort every rank (after printing the traceback) unless every rank raises the exception together (a
+        coordinated stop, or a configuration error all ranks agreed on)."""
+        stop = failures.is_coordinated_stop(exception) or failures.raised_on_every_rank(exception)
+        if stop or not self.abort_on_exception:
             return
         failures.abort(exception)
 

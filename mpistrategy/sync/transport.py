@@ -74,7 +74,8 @@ class TorchNodeTransport(NodeTransport):
     def __init__(self, topology: Topology, backend: str, timeout_seconds: float = 1800.0) -> None:
         self.rank, self.size = topology.local_rank, topology.local_size
         self.backend = backend
-        self.group = _node_process_group(topology, backend, timeout_seconds)
+        # the leader's TCPStore must live as long as the group
+        self.group, self._store = _node_process_group(topology, backend, timeout_seconds)
 
     def start_sum(self, tensor: torch.Tensor) -> Work:
         import torch.distributed as dist
@@ -108,8 +109,8 @@ def _none() -> None:
     return None
 
 
-def _node_process_group(topology: Topology, backend: str, timeout_seconds: float) -> Any:
-    """A process group over this node's ranks, its ``TCPStore`` on the leader's loopback port (sent by MPI)."""
+def _node_process_group(topology: Topology, backend: str, timeout_seconds: float) -> tuple[Any, Any]:
+    """A process group over this node's ranks and its ``TCPStore``, on the leader's loopback port (sent by MPI)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_seconds)
@@ -134,9 +135,8 @@ def _node_process_group(topology: Topology, backend: str, timeout_seconds: float
         group = dist.ProcessGroupGloo(prefixed, topology.local_rank, topology.local_size, options)
     else:
         group = dist.ProcessGroupNCCL(prefixed, topology.local_rank, topology.local_size)
-    group._mpistrategy_store = store  # the leader's store must live as long as the group
     node.Barrier()
-    return group
+    return group, store
 
 
 def node_transport(topology: Topology, kind: str) -> NodeTransport:

@@ -35,11 +35,12 @@ MODES = {
 }
 
 
-def _train(sync, node_transport: str = "mpi") -> torch.Tensor:
-    data = regression_data(SIZE * PER_RANK_BATCH * STEPS)
-    model = Regressor(mlp(seed=3, batchnorm=False), lr=0.1)
+def _train(sync, node_transport: str = "mpi", **fit_options) -> torch.Tensor:
+    accumulate = fit_options.get("accumulate_grad_batches", 1)
+    data = regression_data(SIZE * PER_RANK_BATCH * STEPS * accumulate)
+    model = Regressor(mlp(seed=3), lr=0.1)
     strategy = MPIADStrategy(sync=sync, ranks_per_node=2, node_transport=node_transport)
-    trainer(strategy=strategy, max_steps=STEPS).fit(model, loader(data, PER_RANK_BATCH))
+    trainer(strategy=strategy, max_steps=STEPS, **fit_options).fit(model, loader(data, PER_RANK_BATCH))
     return flat_parameters(model)
 
 
@@ -53,3 +54,20 @@ def test_mode_equals_flat_averaging(mode: str) -> None:
     assert not torch.equal(want, flat_parameters(mlp(seed=3))), "flat training did not move the parameters"
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert_same_on_all_ranks(got, "parameters")
+
+
+@pytest.mark.mpi(ranks=(3, 4), timeout=180)
+@pytest.mark.parametrize("mode", ["hierarchical", "hierarchical_local_sgd-H1"])
+def test_gloo_node_transport_equals_the_mpi_one(mode: str) -> None:
+    """The node-local torch.distributed group (gloo, rendezvous over MPI) gives the MPI path's result."""
+    want = _train(MODES[mode]())
+    got = _train(MODES[mode](), node_transport="gloo")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.mpi(ranks=(3, 4), timeout=180)
+def test_hierarchical_with_accumulation_and_clipping_equals_flat() -> None:
+    options = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    want = _train(FlatSync(), **options)
+    got = _train(HierarchicalSync(), **options)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,65 @@
+"""Bytes sent per step, by scope, as the strategy logs them: the inter-node bytes fall by the skip factor."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
+from mpistrategy.sync import DASO, FlatSync, HierarchicalLocalSGD, HierarchicalSync, LocalSGD
+from tests.strategy.helpers import RANK, SIZE, Regressor, loader, mlp, regression_data, shared_tmpdir, trainer
+
+STEPS = 16
+PER_RANK_BATCH = 4
+
+
+def _logged(sync, folder: str) -> tuple[list[dict[str, float]], int, object]:
+    """Fit ``STEPS`` steps as 2 nodes of 2; rank 0's logged comm/ rows, the model's bytes, the traffic counter."""
+    data = regression_data(SIZE * PER_RANK_BATCH * STEPS)
+    model = Regressor(mlp(seed=4), lr=0.05)
+    strategy = MPIADStrategy(sync=sync, ranks_per_node=2)
+    logger = CSVLogger(folder, name=type(sync).__name__, version=0)
+    trainer(strategy=strategy, max_steps=STEPS, logger=logger, log_every_n_steps=1).fit(
+        model, loader(data, PER_RANK_BATCH)
+    )
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows: list[dict[str, float]] = []
+    if RANK == 0:
+        with open(os.path.join(logger.log_dir, "metrics.csv")) as handle:
+            for row in csv.DictReader(handle):
+                if row.get("comm/bytes_per_step"):
+                    rows.append({k: float(v) for k, v in row.items() if k.startswith("comm/") and v})
+    return rows, model_bytes, strategy.traffic
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=240)
+def test_inter_node_bytes_fall_by_the_skip_factor() -> None:
+    folder = shared_tmpdir()
+    flat, model_bytes, _ = _logged(FlatSync(), folder)
+    hierarchical, _, _ = _logged(HierarchicalSync(), folder)
+    local, _, local_traffic = _logged(LocalSGD(period=4), folder)
+    hier_local, _, _ = _logged(HierarchicalLocalSGD(period=4), folder)
+    daso, _, _ = _logged(DASO(warmup_epochs=0, cooldown_epochs=0, global_skip=4, downcast=None), folder)
+    if RANK != 0:
+        return
+    assert len(flat) == STEPS
+    inter = {
+        name: sum(r["comm/inter_node_bytes_per_step"] for r in rows)
+        for name, rows in [("flat", flat), ("hierarchical", hierarchical), ("local", local), ("hl", hier_local)]
+    }
+    # flat: every rank sends its gradients over the world every step; rank 0 is a node leader
+    assert inter["flat"] == STEPS * model_bytes
+    assert all(r["comm/node_bytes_per_step"] == 0 for r in flat)
+    # hierarchical: the leader sends one copy per step across nodes, and its gradients inside the node
+    assert inter["hierarchical"] == STEPS * model_bytes
+    assert sum(r["comm/node_bytes_per_step"] for r in hierarchical) == STEPS * model_bytes
+    # every 4 steps one model: a quarter of flat's inter-node bytes
+    assert inter["local"] == inter["flat"] / 4 == local_traffic.total_inter_node
+    assert inter["hl"] == inter["flat"] / 4
+    # DASO, one epoch of 16 steps, global_skip 4: sends at steps 0, 4, 8, 12 and a blocking average at the end
+    daso_inter = sum(r["comm/inter_node_bytes_per_step"] for r in daso)
+    assert daso_inter == 5 * model_bytes
+    assert daso_inter <= inter["flat"] / 3
