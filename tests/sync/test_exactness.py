@@ -44,7 +44,7 @@ def _train(sync, node_transport: str = "mpi", **fit_options) -> torch.Tensor:
     return flat_parameters(model)
 
 
-@pytest.mark.mpi(ranks=(3, 4), timeout=180)
+@pytest.mark.mpi(ranks=(3, 4, 6), timeout=180)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_mode_equals_flat_averaging(mode: str) -> None:
     if mode.startswith("daso") and SIZE % 2:
