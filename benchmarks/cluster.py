@@ -259,7 +259,12 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         """One line: the nodes, their addresses and the link rate."""
-        rate = "unshaped" if self.rate_bits is None else f"{self.rate_bits / 1e9:g} Gbit/s"
+        if self.rate_bits is None:
+            rate = "unshaped"
+        elif self.rate_bits >= 10**9:
+            rate = f"{self.rate_bits / 1e9:g} Gbit/s"
+        else:
+            rate = f"{self.rate_bits / 1e6:g} Mbit/s"
         listing = ", ".join(f"{node.hostname} {node.address}" for node in self.nodes)
         return f"emulated cluster {self.run_name}: {len(self.nodes)} nodes ({listing}), links {rate}"
 

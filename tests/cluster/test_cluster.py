@@ -24,6 +24,7 @@ from tests.mpi_harness import clean_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = ROOT / "benchmarks" / "cluster.py"
+ALLREDUCE_BENCHMARK = ROOT / "benchmarks" / "cluster_allreduce.py"
 JOB = Path(__file__).parent / "scripts" / "cluster_job.py"
 ELEMENTS = 2_000_000  # 8 MB of float32 per rank
 SLEEPER = "import os, time; os.write(1, b'ready %d\\n' % os.getpid()); time.sleep(600)"
@@ -112,6 +113,27 @@ def test_the_leftovers_of_a_killed_run_are_removed_by_the_next_one() -> None:
         assert run_name in cluster.removed_stale
         assert _leftovers(run_name) == [] and not [pid for pid in rank_pids if _netns.is_running(pid)]
     assert _leftovers(cluster.run_name) == []
+
+
+@needs_cluster
+def test_the_allreduce_benchmark_times_every_contender(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ALLREDUCE_BENCHMARK), "--quick", "--results", str(tmp_path)],
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    payload = json.loads((tmp_path / "cluster_allreduce.json").read_text())
+    rows = payload["contenders"]
+    assert set(rows) == {"one node", "2x2 unshaped", "2x2 10gbit", "2x2 1gbit"}
+    assert all(row["median_ms"] > 0 and len(row["rounds_ms"]) == 1 for row in rows.values())
+    # 4 MB allreduces: between the nodes every link carries at least the payload each way; within one node, nothing.
+    assert all(min(rows[name]["sent_mb_per_allreduce"]) >= 4.0 for name in rows if name != "one node"), rows
+    assert max(rows["one node"]["sent_mb_per_allreduce"]) < 0.1, rows["one node"]
+    assert "x one node" in done.stdout
 
 
 def test_a_missing_tool_is_named(tmp_path: Path) -> None:
