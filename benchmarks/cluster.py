@@ -231,7 +231,11 @@ class EmulatedCluster:
         stdin: int | IO[Any] | None = subprocess.DEVNULL,
     ) -> subprocess.CompletedProcess[str]:
         """Run ``command`` as an MPI job (see :meth:`mpiexec_command`) and return it when it ends, as
-        :func:`subprocess.run` does (text output when captured; ``check`` raises ``CalledProcessError``).
+        :func:`subprocess.run` does (text output when captured; ``check`` raises ``CalledProcessError``). ``env``
+        adds to (or overrides) the job's environment (:meth:`environment`), it does not replace it.
+
+        As with Hydra on a real cluster, a rank that exits non-zero without ``MPI_Abort`` (or a signal) does not end
+        the ranks on other nodes: mpistrategy's failure handling aborts, and ``timeout`` bounds any other job.
 
         After ``timeout`` seconds, or when this process is interrupted, the job gets SIGINT (mpiexec passes it to
         every rank), then SIGKILL after a grace period, and anything left in the nodes is killed; the exception
