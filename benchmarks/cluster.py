@@ -60,9 +60,10 @@ __all__ = [
 ]
 
 LAUNCHER = Path(__file__).resolve().with_name("netns_launcher.sh")
-# Keeps MPICH's UCX transport off shared memory and cross-memory attach between namespaces (one kernel), so
-# inter-node messages cross the links; ranks of one node still use MPICH's own shared memory.
-TRANSPORT_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": _netns.NODE_DEVICE}
+# Keeps MPICH's network module off shared memory and cross-memory attach between namespaces (one kernel), so
+# inter-node messages cross the links: UCX (the wheel's default) and libfabric (MPIR_CVAR_CH4_NETMOD=ofi) both
+# restricted to TCP over the node's link. Ranks of one node still use MPICH's own shared memory.
+TRANSPORT_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": _netns.NODE_DEVICE, "FI_PROVIDER": "tcp"}
 UNSHAPED = ("unshaped", "none", "off")
 STOP_GRACE_SECONDS = 5.0
 _TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -105,7 +106,10 @@ def missing_requirements() -> list[str]:
         missing.append("a kernel with network namespaces (CONFIG_NET_NS)")
     if not os.access(LAUNCHER, os.X_OK):
         missing.append(f"an executable {LAUNCHER} (chmod +x it)")
-    problem = _mpiexec_problem(tuple(_launch().mpiexec_command()))
+    try:
+        problem = _mpiexec_problem(tuple(_launch().mpiexec_command()))
+    except ClusterUnavailableError as error:
+        problem = str(error)
     if problem:
         missing.append(problem)
     return missing
@@ -315,7 +319,7 @@ def _launch() -> ModuleType:
     and torch in this controller process, which runs no rank."""
     package = importlib.util.find_spec("mpistrategy")
     if package is None or not package.submodule_search_locations:
-        raise ClusterUnavailableError("mpistrategy is not installed in this Python: pip install -e '.[mpich]'")
+        raise ClusterUnavailableError("mpistrategy installed in this Python (pip install -e '.[mpich]')")
     spec = importlib.util.spec_from_file_location(
         "_mpistrategy_launch", Path(package.submodule_search_locations[0]) / "launch.py"
     )
@@ -357,6 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.cleanup:
+        if os.geteuid() != 0:
+            print("emulated cluster: --cleanup removes network namespaces and needs root", file=sys.stderr)
+            return 2
         removed = _netns.remove_stale_runs()
         print(f"removed {len(removed)} stale run(s){': ' if removed else ''}{', '.join(removed)}", file=sys.stderr)
         return 0

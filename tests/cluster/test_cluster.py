@@ -136,6 +136,37 @@ def test_the_allreduce_benchmark_times_every_contender(tmp_path: Path) -> None:
     assert "x one node" in done.stdout
 
 
+@needs_cluster
+@pytest.mark.parametrize(
+    ("tool", "word", "error", "hint"),
+    [
+        ("ip", "veth", "Error: Unknown device type.", "(CONFIG_VETH; `modprobe veth`)"),
+        ("tc", "tbf", "Error: Specified qdisc kind is unknown.", "(CONFIG_NET_SCH_TBF; `modprobe sch_tbf`)"),
+    ],
+    ids=["veth", "tbf"],
+)
+def test_a_kernel_without_veth_or_tbf_is_named_and_the_partial_cluster_removed(
+    tmp_path: Path, tool: str, word: str, error: str, hint: str
+) -> None:
+    # A stand-in for `ip` or `tc` that answers as a kernel without that feature does and runs everything else.
+    (tmp_path / tool).write_text(
+        f'#!/bin/sh\ncase " $* " in *" {word} "*) echo "{error}" >&2; exit 2 ;; esac\nexec {shutil.which(tool)} "$@"\n'
+    )
+    (tmp_path / tool).chmod(0o755)
+    done = subprocess.run(
+        [sys.executable, str(CLUSTER_SCRIPT), "--", "true"],
+        env={**clean_environ(), "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert hint in done.stderr and error in done.stderr, done.stderr
+    run_name = re.search(r"(mpiemu-\d+-\d+-\d+-\d+)-", done.stderr).group(1)
+    assert _leftovers(run_name) == []
+
+
 def test_a_missing_tool_is_named(tmp_path: Path) -> None:
     for tool in ("ip", "unshare"):  # everything but tc
         if shutil.which(tool):
