@@ -8,7 +8,8 @@ contender runs its 4 ranks in node 0. Every round runs each contender once as it
 order; a job does one warm-up allreduce and then ``--calls`` timed ones (barrier, allreduce; the slowest rank's
 time) and reports their median. The links' byte counters are read around each job. Reported per contender: the
 median over rounds of the job medians (and their range), the algorithm bandwidth ``8 * bytes / time``, the ratio to
-one node, and the bytes each node's link sent per allreduce (job total / allreduces; MPI's start-up adds a few KB).
+one node (the median over rounds of the ratio within a round), and the bytes each node's link sent per allreduce
+(job total / allreduces; MPI's start-up adds a few KB).
 Writes benchmarks/results/cluster_allreduce.json.
 """
 
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, save  # noqa: E402
+from _launch import RESULTS, paired_ratios, save  # noqa: E402
 from cluster import EmulatedCluster  # noqa: E402
 
 RANKS = 4
@@ -110,7 +111,6 @@ def _job_seconds(stdout: str) -> float:
 
 
 def _summary(seconds: dict[str, list[float]], sent: dict[str, list[list[float]]], nbytes: int) -> dict:
-    reference = statistics.median(seconds[REFERENCE])
     contenders = {}
     for name, times in seconds.items():
         median = statistics.median(times)
@@ -118,7 +118,7 @@ def _summary(seconds: dict[str, list[float]], sent: dict[str, list[list[float]]]
             "median_ms": median * 1e3,
             "range_ms": [min(times) * 1e3, max(times) * 1e3],
             "algbw_gbit_per_s": nbytes * 8 / median / 1e9,
-            "vs_one_node": median / reference,
+            "vs_one_node": statistics.median(paired_ratios(seconds, name, REFERENCE)),
             "sent_mb_per_allreduce": [statistics.median(per_node) / 1e6 for per_node in zip(*sent[name], strict=True)],
             "rounds_ms": [t * 1e3 for t in times],
         }
