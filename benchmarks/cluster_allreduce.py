@@ -1,7 +1,7 @@
 """A float32 allreduce at 4 ranks: 2 emulated nodes of 2 over unshaped, 10 Gbit/s and 1 Gbit/s links, against 4
 ranks on one node (needs root; see cluster.py).
 
-    python benchmarks/cluster_allreduce.py [--mb 40] [--rounds 5] [--calls 5] [--quick]
+    python benchmarks/cluster_allreduce.py [--mb 40] [--rounds 5] [--calls 5] [--rates unshaped,10gbit,1gbit] [--quick]
 
 One emulated cluster of 2 nodes serves every contender: the links are reshaped between jobs and the one-node
 contender runs its 4 ranks in node 0. Every round runs each contender once as its own MPI job, in a new (seeded)
@@ -25,17 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _launch import RESULTS, paired_ratios, save  # noqa: E402
-from cluster import EmulatedCluster  # noqa: E402
+from cluster import EmulatedCluster, parse_rate  # noqa: E402
 
 RANKS = 4
-# name: (nodes used, ranks per node, link rate)
-CONTENDERS = {
-    "one node": (1, 4, None),
-    "2x2 unshaped": (2, 2, None),
-    "2x2 10gbit": (2, 2, "10gbit"),
-    "2x2 1gbit": (2, 2, "1gbit"),
-}
 REFERENCE = "one node"
+DEFAULT_RATES = "unshaped,10gbit,1gbit"
 RESULT_PREFIX = "ALLREDUCE_SECONDS "
 
 
@@ -44,6 +38,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=40.0, help="allreduce size in MB (10^6 bytes), float32")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (one job per contender each)")
     parser.add_argument("--calls", type=int, default=5, help="timed allreduces per job")
+    parser.add_argument("--rates", default=DEFAULT_RATES, help=f"link rates of the 2x2 contenders ({DEFAULT_RATES})")
     parser.add_argument("--quick", action="store_true", help="1 round of 2 calls of 4 MB (a smoke run)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -54,16 +49,24 @@ def main() -> None:
     if args.worker:
         _worker(elements, args.calls)
         return
-    seconds: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    sent: dict[str, list[list[float]]] = {name: [] for name in CONTENDERS}
-    order = list(CONTENDERS)
+    rates = args.rates.split(",")
+    for rate in rates:
+        try:
+            parse_rate(rate)
+        except ValueError as error:
+            parser.error(str(error))
+    # name: (nodes used, ranks per node, link rate)
+    contenders = {REFERENCE: (1, RANKS, None), **{f"2x2 {rate}": (2, 2, rate) for rate in rates}}
+    seconds: dict[str, list[float]] = {name: [] for name in contenders}
+    sent: dict[str, list[list[float]]] = {name: [] for name in contenders}
+    order = list(contenders)
     shuffler = random.Random(0)
     with EmulatedCluster(nodes=2, rate=None) as cluster:
         print(cluster.describe(), file=sys.stderr, flush=True)
         for _ in range(args.rounds):
             shuffler.shuffle(order)
             for name in order:
-                nodes, ranks_per_node, rate = CONTENDERS[name]
+                nodes, ranks_per_node, rate = contenders[name]
                 cluster.shape(rate)
                 before = cluster.link_bytes()
                 done = cluster.run(
