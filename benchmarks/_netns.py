@@ -108,10 +108,7 @@ def create(run: str, nodes: tuple[Node, ...]) -> None:
     for node in nodes:
         port = _port(node)
         _ip(["netns", "add", node.namespace], "creating a network namespace", NETNS_HINT)
-        etc = NETNS_ETC / node.namespace
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(hosts)
-        (etc / "hostname").write_text(node.hostname + "\n")
+        _write_etc(node, hosts)
         veth = f"link add {NODE_DEVICE} netns {node.namespace} type veth peer name {port} netns {switch}"
         _ip(veth.split(), "creating a veth pair", VETH_HINT)
         _ip(["-n", node.namespace, "link", "set", "lo", "up"], "bringing lo up")
@@ -133,7 +130,10 @@ def shape(run: str, nodes: tuple[Node, ...], rate_bits: int | None) -> None:
     switch = switch_of(run)
     for node in nodes:
         for namespace, device in ((node.namespace, NODE_DEVICE), (switch, _port(node))):
-            _tc(["-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
+            # Drop the current limit, if any (tc fails when there is none, which is fine).
+            subprocess.run(
+                ["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], capture_output=True, check=False
+            )
             if rate_bits is not None:
                 burst = max(256 * 1024, rate_bits // 8 // 500)
                 tbf = f"-n {namespace} qdisc add dev {device} root tbf rate {rate_bits}bit burst {burst} latency 50ms"
@@ -257,6 +257,21 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def _write_etc(node: Node, hosts: str) -> None:
+    """Write the node's ``hosts`` and ``hostname`` under /etc/netns/<namespace>/, retrying when another run removed
+    the (then empty) /etc/netns between the creation of it and of the node's folder."""
+    etc = NETNS_ETC / node.namespace
+    for attempt in range(3):
+        try:
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(hosts)
+            (etc / "hostname").write_text(node.hostname + "\n")
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
 def _remove_netns_etc_if_empty() -> None:
     try:
         NETNS_ETC.rmdir()
@@ -280,10 +295,7 @@ def _ip(args: list[str], what: str, hint: str = "") -> str:
     return _command(["ip", *args], what, hint)
 
 
-def _tc(args: list[str], what: str = "", hint: str = "", check: bool = True) -> str:
-    if not check:
-        subprocess.run(["tc", *args], capture_output=True, check=False)
-        return ""
+def _tc(args: list[str], what: str, hint: str = "") -> str:
     return _command(["tc", *args], what, hint)
 
 
