@@ -118,7 +118,7 @@ def test_the_leftovers_of_a_killed_run_are_removed_by_the_next_one() -> None:
 @needs_cluster
 def test_the_allreduce_benchmark_times_every_contender(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ALLREDUCE_BENCHMARK), "--quick", "--results", str(tmp_path)],
+        [sys.executable, str(ALLREDUCE_BENCHMARK), "--quick", "--rates", "1gbit", "--results", str(tmp_path)],
         env=clean_environ(),
         capture_output=True,
         text=True,
@@ -128,7 +128,7 @@ def test_the_allreduce_benchmark_times_every_contender(tmp_path: Path) -> None:
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     payload = json.loads((tmp_path / "cluster_allreduce.json").read_text())
     rows = payload["contenders"]
-    assert set(rows) == {"one node", "2x2 unshaped", "2x2 10gbit", "2x2 1gbit"}
+    assert set(rows) == {"one node", "2x2 1gbit"}
     assert all(row["median_ms"] > 0 and len(row["rounds_ms"]) == 1 for row in rows.values())
     # 4 MB allreduces: between the nodes every link carries at least the payload each way; within one node, nothing.
     assert all(min(rows[name]["sent_mb_per_allreduce"]) >= 4.0 for name in rows if name != "one node"), rows
