@@ -1,0 +1,271 @@
+"""The emulated cluster (benchmarks/cluster.py): real namespaces, links and MPI jobs, driven from this process.
+
+The tests that build a cluster need root, iproute2 and MPICH's mpiexec; where one is missing they are skipped with
+the missing parts as the reason. The tests of the messages for a missing requirement run everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.cluster import EmulatedCluster, _netns, missing_requirements, parse_rate
+from tests.mpi_harness import clean_environ
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_SCRIPT = ROOT / "benchmarks" / "cluster.py"
+ALLREDUCE_BENCHMARK = ROOT / "benchmarks" / "cluster_allreduce.py"
+JOB = Path(__file__).parent / "scripts" / "cluster_job.py"
+ELEMENTS = 2_000_000  # 8 MB of float32 per rank
+SLEEPER = "import os, time; os.write(1, b'ready %d\\n' % os.getpid()); time.sleep(600)"
+
+MISSING = missing_requirements()
+needs_cluster = pytest.mark.skipif(bool(MISSING), reason="emulated cluster unavailable, needs " + "; ".join(MISSING))
+
+
+@needs_cluster
+def test_two_nodes_of_two_ranks_talk_through_the_shaped_link() -> None:
+    devices_before = _root_namespace_links()
+    with EmulatedCluster(nodes=2, rate="1gbit") as cluster:
+        run_name = cluster.run_name
+        assert sorted(_netns.namespaces_of(run_name)) == sorted(
+            [*(n.namespace for n in cluster.nodes), f"{run_name}-sw"]
+        )
+        assert cluster.shaped_rates() == [(10**9, 10**9)] * 2
+        assert all(set(routes) <= {"198.18.0.0/24", "fe80::/64"} for routes in cluster.routes())
+        before = cluster.link_bytes()
+        done = cluster.run(
+            [sys.executable, str(JOB), str(ELEMENTS)],
+            ranks_per_node=2,
+            env=clean_environ(),
+            timeout=120,
+            capture_output=True,
+        )
+        moved = [after - start for start, after in zip(before, cluster.link_bytes(), strict=True)]
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    records = _job_records(done.stdout)
+    assert [r["rank"] for r in records] == [0, 1, 2, 3]
+    for record in records:
+        node = record["rank"] // 2
+        assert record["shared_ranks"] == [2 * node, 2 * node + 1], record
+        assert (record["num_nodes"], record["node_rank"], record["local_rank"]) == (2, node, record["rank"] % 2)
+        assert record["node_sizes"] == [2, 2] and record["virtual"] is False, record
+        assert (record["hostname"], record["address"]) == (f"node{node}", f"198.18.0.{10 + node}"), record
+        assert record["main_address"] == "node0" and record["allreduce_exact"] is True, record
+    payload = ELEMENTS * 4
+    for node, delta in enumerate(moved):
+        assert delta.sent >= payload and delta.received >= payload, f"node{node} link moved {delta}, < {payload} B"
+    assert _leftovers(run_name) == []
+    assert _root_namespace_links() == devices_before
+
+
+@needs_cluster
+def test_a_failing_job_ends_and_the_cluster_is_removed() -> None:
+    # Rank 0 fails as an mpistrategy job does (MPI_Abort) while rank 1, on the other node, waits in a barrier.
+    fail_on_rank_0 = (
+        "from mpi4py import MPI; MPI.COMM_WORLD.rank == 0 and MPI.COMM_WORLD.Abort(3); MPI.COMM_WORLD.Barrier()"
+    )
+    with pytest.raises(subprocess.CalledProcessError) as failure:
+        with EmulatedCluster(nodes=2, rate="10gbit") as cluster:
+            run_name = cluster.run_name
+            cluster.run([sys.executable, "-c", fail_on_rank_0], env=clean_environ(), timeout=60, check=True)
+    assert failure.value.returncode == 3
+    assert _leftovers(run_name) == []
+
+
+@needs_cluster
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_the_script_removes_the_cluster_when_interrupted(signum: int) -> None:
+    script = _start_script("--nodes", "2", "--rate", "unshaped", "--", sys.executable, "-c", SLEEPER)
+    try:
+        run_name, rank_pids = _wait_for_ranks(script, 2)
+        assert len(_netns.namespaces_of(run_name)) == 3
+        script.send_signal(signum)
+        _, err = script.communicate(timeout=30)
+    finally:
+        _kill(script)
+    assert script.returncode == 128 + signum, err
+    assert not [pid for pid in rank_pids if _netns.is_running(pid)], "ranks survived the interrupted script"
+    assert _leftovers(run_name) == []
+
+
+@needs_cluster
+def test_the_leftovers_of_a_killed_run_are_removed_by_the_next_one() -> None:
+    script = _start_script("--nodes", "2", "--rate", "unshaped", "--", sys.executable, "-c", SLEEPER)
+    try:
+        run_name, rank_pids = _wait_for_ranks(script, 2)
+        script.kill()
+        script.wait(timeout=30)
+    finally:
+        _kill(script)
+    assert len(_netns.namespaces_of(run_name)) == 3 and all(_netns.is_running(pid) for pid in rank_pids)
+    with EmulatedCluster(nodes=1, rate=None) as cluster:
+        assert run_name in cluster.removed_stale
+        assert _leftovers(run_name) == [] and not [pid for pid in rank_pids if _netns.is_running(pid)]
+    assert _leftovers(cluster.run_name) == []
+
+
+@needs_cluster
+def test_the_allreduce_benchmark_times_every_contender(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ALLREDUCE_BENCHMARK), "--quick", "--rates", "1gbit", "--results", str(tmp_path)],
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    payload = json.loads((tmp_path / "cluster_allreduce.json").read_text())
+    rows = payload["contenders"]
+    assert set(rows) == {"one node", "2x2 1gbit"}
+    assert all(row["median_ms"] > 0 and len(row["rounds_ms"]) == 1 for row in rows.values())
+    # 4 MB allreduces: between the nodes every link carries at least the payload each way; within one node, nothing.
+    assert all(min(rows[name]["sent_mb_per_allreduce"]) >= 4.0 for name in rows if name != "one node"), rows
+    assert max(rows["one node"]["sent_mb_per_allreduce"]) < 0.1, rows["one node"]
+    assert "x one node" in done.stdout
+
+
+@needs_cluster
+@pytest.mark.parametrize(
+    ("tool", "word", "error", "hint"),
+    [
+        ("ip", "veth", "Error: Unknown device type.", "(CONFIG_VETH; `modprobe veth`)"),
+        ("tc", "tbf", "Error: Specified qdisc kind is unknown.", "(CONFIG_NET_SCH_TBF; `modprobe sch_tbf`)"),
+    ],
+    ids=["veth", "tbf"],
+)
+def test_a_kernel_without_veth_or_tbf_is_named_and_the_partial_cluster_removed(
+    tmp_path: Path, tool: str, word: str, error: str, hint: str
+) -> None:
+    # A stand-in for `ip` or `tc` that answers as a kernel without that feature does and runs everything else.
+    (tmp_path / tool).write_text(
+        f'#!/bin/sh\ncase " $* " in *" {word} "*) echo "{error}" >&2; exit 2 ;; esac\nexec {shutil.which(tool)} "$@"\n'
+    )
+    (tmp_path / tool).chmod(0o755)
+    done = subprocess.run(
+        [sys.executable, str(CLUSTER_SCRIPT), "--", "true"],
+        env={**clean_environ(), "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert hint in done.stderr and error in done.stderr, done.stderr
+    run_name = re.search(r"(mpiemu-\d+-\d+-\d+-\d+)-", done.stderr).group(1)
+    assert _leftovers(run_name) == []
+
+
+def test_a_missing_tool_is_named(tmp_path: Path) -> None:
+    for tool in ("ip", "unshare"):  # everything but tc
+        if shutil.which(tool):
+            (tmp_path / tool).symlink_to(shutil.which(tool))
+    done = subprocess.run(
+        [sys.executable, str(CLUSTER_SCRIPT), "--", "true"],
+        env={**clean_environ(), "PATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "`tc` on PATH (package iproute2: apt-get install iproute2)" in done.stderr
+
+
+def test_running_without_root_is_named() -> None:
+    drop_root = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    if drop_root and shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to run as a user other than root")
+    done = subprocess.run(
+        [*drop_root, sys.executable, str(CLUSTER_SCRIPT), "--", "true"],
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd="/",
+    )
+    assert done.returncode == 2, done.stderr
+    assert "the emulated cluster needs root" in done.stderr
+
+
+def test_bad_sizes_and_rates_are_refused() -> None:
+    assert (parse_rate("1gbit"), parse_rate("10gbit"), parse_rate("250mbit"), parse_rate("unshaped")) == (
+        10**9,
+        10**10,
+        250 * 10**6,
+        None,
+    )
+    for rate in ("1gb", "fast", "0gbit", "1 gbps"):
+        with pytest.raises(ValueError, match="tc's units, like 1gbit"):
+            parse_rate(rate)
+    with pytest.raises(ValueError, match="1 to 240 nodes"):
+        EmulatedCluster(nodes=0)
+
+
+def _job_records(stdout: str) -> list[dict]:
+    lines = [line for line in stdout.splitlines() if line.startswith("CLUSTER_JOB ")]
+    assert len(lines) == 1, stdout[-3000:]
+    return json.loads(lines[0].removeprefix("CLUSTER_JOB "))
+
+
+def _leftovers(run_name: str) -> list[str]:
+    """What of ``run_name`` still exists: namespaces, /etc/netns entries, processes in its namespaces."""
+    namespaces = _netns.namespaces_of(run_name)
+    etc = [str(path) for path in _netns.NETNS_ETC.glob(f"{run_name}-*")]
+    processes = [f"pid {pid} in {ns}" for ns in namespaces for pid in _netns.processes_in(ns)]
+    return [*namespaces, *etc, *processes]
+
+
+def _root_namespace_links() -> list[str]:
+    """The veth and bridge devices of the root namespace (the cluster must never add any)."""
+    shown = [
+        subprocess.run(["ip", "-json", "link", "show", "type", kind], capture_output=True, text=True, check=True)
+        for kind in ("veth", "bridge")
+    ]
+    return sorted(link["ifname"] for done in shown for link in json.loads(done.stdout or "[]"))
+
+
+def _start_script(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(CLUSTER_SCRIPT), *args],
+        env=clean_environ(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _wait_for_ranks(script: subprocess.Popen[bytes], ranks: int, seconds: float = 60) -> tuple[str, list[int]]:
+    """The cluster's run name (from the script's first stderr line) and the pids of its ``ranks`` ranks, once all
+    of them printed 'ready <pid>'."""
+    out, err = b"", b""
+    deadline = time.monotonic() + seconds
+    while len(re.findall(rb"ready (\d+)\n", out)) < ranks or not (
+        header := re.search(rb"emulated cluster (mpiemu-[0-9-]+):", err)
+    ):
+        assert time.monotonic() < deadline and script.poll() is None, f"no ranks ready:\n{out!r}\n{err!r}"
+        readable, _, _ = select.select([script.stdout, script.stderr], [], [], 0.5)
+        for stream in readable:
+            chunk = os.read(stream.fileno(), 65536)
+            out, err = (out + chunk, err) if stream is script.stdout else (out, err + chunk)
+    run_name = header.group(1).decode()
+    pids = [int(pid) for pid in re.findall(rb"ready (\d+)\n", out)]
+    return run_name, pids
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
