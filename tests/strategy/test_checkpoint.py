@@ -66,7 +66,10 @@ def test_resume_continues_the_same_trajectory() -> None:
     assert os.path.exists(first)
     assert not [name for name in os.listdir(directory) if ".tmp" in name], "temporary files were left behind"
     saved = torch.load(first, weights_only=False)
-    assert saved[CHECKPOINT_KEY] == {"aggregator": {"combined": straight_aggregator.combined // 3}}
+    assert saved[CHECKPOINT_KEY] == {
+        "aggregator": {"combined": straight_aggregator.combined // 3},
+        "sync": {"name": "flat", "state": {}},
+    }
 
     resumed, resumed_aggregator = _fit(shared_tmpdir(), epochs=3, seed=99, ckpt_path=first)  # other init
     assert_same_on_all_ranks(flat_parameters(resumed), "resumed parameters")
