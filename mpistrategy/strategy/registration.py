@@ -1,4 +1,5 @@
-"""Registering ``"mpi_ad"`` with Lightning, without making ``import mpistrategy`` import Lightning.
+"""Registering ``"mpi_ad"`` (and one name per sync mode) with Lightning, without making ``import mpistrategy``
+import Lightning.
 
 Lightning has no entry points for strategies: a name must be put in ``StrategyRegistry`` by code that runs in the
 user's process. ``lightning.pytorch`` and ``pytorch_lightning`` keep separate registries, and importing either
@@ -7,7 +8,11 @@ takes seconds, which users of the collectives alone should not pay. So :func:`in
 a tiny import hook that registers right after that package finishes importing. Either way, by the time a
 ``Trainer(strategy="mpi_ad")`` can be built, the name is registered.
 
-Registration also wraps the accelerator connector's cluster-environment choice: for the ``"mpi_ad"`` string,
+The names (:data:`STRATEGIES`): ``"mpi_ad"`` (flat data parallelism) and ``"mpi_<mode>"`` for every other sync
+mode of :mod:`mpistrategy.sync` (``Trainer(strategy="mpi_daso")`` is ``MPIADStrategy(sync="daso")`` with the
+mode's defaults; configure a mode by passing ``MPIADStrategy(sync=DASO(...))`` instead).
+
+Registration also wraps the accelerator connector's cluster-environment choice: for these names,
 Lightning would otherwise build its ``SLURMEnvironment`` under ``srun`` (before the strategy exists), which raises
 for ``--ntasks`` without ``--ntasks-per-node``; for our strategy the MPI environment is chosen instead.
 
@@ -25,20 +30,54 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 NAME = "mpi_ad"
-DESCRIPTION = "Data-parallel training over MPI with differentiable collectives (mpistrategy)"
+
+
+@dataclass(frozen=True)
+class RegisteredStrategy:
+    """A name in Lightning's strategy registry: ``MPIADStrategy(sync=sync)``."""
+
+    sync: str
+    description: str
+
+
+#: every registered name; ``mpi_<mode>`` for each sync mode but ``flat`` (which is ``mpi_ad``)
+STRATEGIES: dict[str, RegisteredStrategy] = {
+    NAME: RegisteredStrategy("flat", "Data-parallel training over MPI with differentiable collectives (mpistrategy)"),
+    "mpi_hierarchical": RegisteredStrategy(
+        "hierarchical",
+        "mpi_ad with hierarchical gradient averaging: node sum, node leaders across nodes, node broadcast "
+        "(the result of flat averaging, one copy per node on the network)",
+    ),
+    "mpi_local_sgd": RegisteredStrategy(
+        "local_sgd", "mpi_ad with post-local SGD: local steps, the model averaged over all ranks every few steps"
+    ),
+    "mpi_hierarchical_local_sgd": RegisteredStrategy(
+        "hierarchical_local_sgd",
+        "mpi_ad with node-local gradient averaging every step, the model averaged across nodes every few steps",
+    ),
+    "mpi_daso": RegisteredStrategy(
+        "daso",
+        "mpi_ad with DASO: node-local gradient averaging, non-blocking stale model averaging across nodes every "
+        "few steps (heat's schedule and defaults)",
+    ),
+    "mpi_gossip": RegisteredStrategy(
+        "gossip", "mpi_ad with gossip (D-PSGD): every rank mixes its model with its neighbours on a ring"
+    ),
+}
 
 _lock = threading.Lock()
 _registered: set[str] = set()
 
 
 def register_lightning() -> None:
-    """Register ``"mpi_ad"`` in ``lightning.pytorch``'s strategy registry (idempotent)."""
+    """Register :data:`STRATEGIES` in ``lightning.pytorch``'s strategy registry (idempotent)."""
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.pytorch.strategies import StrategyRegistry
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
@@ -51,7 +90,7 @@ def register_lightning() -> None:
 
 
 def register_pytorch_lightning() -> None:
-    """Register ``"mpi_ad"`` in ``pytorch_lightning``'s strategy registry (idempotent)."""
+    """Register :data:`STRATEGIES` in ``pytorch_lightning``'s strategy registry (idempotent)."""
     from lightning_fabric.plugins.environments import ClusterEnvironment
     from pytorch_lightning.strategies import StrategyRegistry
     from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
@@ -66,19 +105,22 @@ def _register(registry: Any, strategy: type, package: str) -> None:
     with _lock:
         if package in _registered:
             return
-        if NAME not in registry:
-            registry.register(NAME, strategy, description=DESCRIPTION)
+        for name, entry in STRATEGIES.items():
+            if name not in registry:
+                init_params = {} if name == NAME else {"sync": entry.sync}
+                registry.register(name, strategy, description=entry.description, **init_params)
         _registered.add(package)
 
 
 def _prefer_mpi_environment(connector: type, base: type, environment: type) -> None:
-    """For ``strategy="mpi_ad"``, choose the MPI environment instead of probing launchers (SLURM would raise)."""
+    """For our strategy names, choose the MPI environment instead of probing launchers (SLURM would raise)."""
     original = connector._choose_and_init_cluster_environment
     if getattr(original, "_mpistrategy", False):
         return
 
     def choose(self: Any) -> Any:
-        if self._strategy_flag == NAME and not isinstance(self._cluster_environment_flag, base):
+        flag = self._strategy_flag
+        if isinstance(flag, str) and flag in STRATEGIES and not isinstance(self._cluster_environment_flag, base):
             return environment()
         return original(self)
 
@@ -97,7 +139,8 @@ _deferred: set[str] = set()
 
 
 def install() -> None:
-    """Set ``rank_zero_only`` from MPI and register ``"mpi_ad"`` with every Lightning package, now or on import."""
+    """Set ``rank_zero_only`` from MPI and register :data:`STRATEGIES` with every Lightning package, now or on
+    import."""
     _set_rank_zero_only()
     ready, waiting = [], {}
     for package, registrar in _REGISTRARS.items():
@@ -160,7 +203,7 @@ def _safely(registrar: Callable[[], None], package: str) -> None:
     try:
         registrar()
     except Exception as error:  # noqa: BLE001 - an incompatible Lightning must not break `import mpistrategy`
-        warnings.warn(f"mpistrategy could not register the 'mpi_ad' strategy with {package}: {error!r}", stacklevel=2)
+        warnings.warn(f"mpistrategy could not register its strategies with {package}: {error!r}", stacklevel=2)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

@@ -91,6 +91,58 @@ def test_registered_whatever_is_imported_first(first_import: str) -> None:
     assert "could not register" not in result.stderr
 
 
+def test_every_sync_mode_has_a_registered_name_that_builds_its_mode() -> None:
+    """``Trainer(strategy="mpi_<mode>")`` in both Lightning packages builds MPIADStrategy with that mode, and under
+    SLURM variables gets the MPI environment (Lightning would pick its SLURMEnvironment for an unknown name)."""
+    result = _python(
+        """
+        import lightning.pytorch as L
+        import pytorch_lightning as PL
+        import mpistrategy
+        from lightning.pytorch.strategies import StrategyRegistry
+        from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
+        from mpistrategy.strategy.environment import MPIEnvironment
+        from mpistrategy.strategy.pytorch_lightning import MPIEnvironment as PLEnvironment
+        from mpistrategy.strategy.registration import STRATEGIES
+        from mpistrategy.sync import SYNC_MODES
+
+        assert sorted(STRATEGIES) == sorted(["mpi_ad"] + [f"mpi_{m}" for m in SYNC_MODES if m != "flat"])
+        built = []
+        for name, entry in STRATEGIES.items():
+            for package, registry, environment in (
+                (L, StrategyRegistry, MPIEnvironment), (PL, PLRegistry, PLEnvironment)
+            ):
+                assert registry[name]["description"] == entry.description and entry.description
+                trainer = package.Trainer(strategy=name, logger=False, enable_progress_bar=False)
+                sync = trainer.strategy.sync
+                assert type(sync) is SYNC_MODES[entry.sync], (name, sync)
+                assert type(trainer.strategy.cluster_environment) is environment, trainer.strategy.cluster_environment
+                built.append(f"{name}={sync.name}")
+        # every Trainer gets a new mode object (with the mode's defaults), never a shared one
+        first, second = L.Trainer(strategy="mpi_daso"), L.Trainer(strategy="mpi_daso")
+        assert first.strategy.sync is not second.strategy.sync and second.strategy.sync.global_skip == 4
+        print("OK", " ".join(built))
+        """,
+        SLURM_NTASKS="1",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_JOB_NAME="train",
+        SLURM_JOB_ID="4242",
+        SLURM_NODELIST="localhost",
+    )
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    for name, mode in [
+        ("mpi_ad", "flat"),
+        ("mpi_hierarchical", "hierarchical"),
+        ("mpi_local_sgd", "local_sgd"),
+        ("mpi_hierarchical_local_sgd", "hierarchical_local_sgd"),
+        ("mpi_daso", "daso"),
+        ("mpi_gossip", "gossip"),
+    ]:
+        assert result.stdout.count(f"{name}={mode}") == 2, result.stdout
+
+
 def test_plain_python_is_a_world_of_one() -> None:
     result = _python(
         """
