@@ -10,11 +10,12 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +53,93 @@ def mpi_ad_strategy(
     aggregator: Any = None,
     stop_signals: Any = ("SIGTERM", "SIGUSR1"),
     model_parallel: bool = False,
+    sync: str = "flat",
     **options: Any,
 ) -> Any:
     """mpistrategy's ``mpi_ad`` strategy (``model_parallel``: :class:`recipes.model_parallel.ModelParallelMPIStrategy`).
 
-    ``aggregator`` comes from the aggregation group; ``stop_signals`` are names; the other ``options``
-    (``bucket_cap_mb``, ``checkpoint_on_stop`` ...) go to the constructor unchanged.
+    ``aggregator`` comes from the aggregation group; ``stop_signals`` are names. ``options`` are split: the sync
+    mode ``sync``'s own options (``period``, ``global_skip``, ``graph`` ...) build the mode with
+    :func:`mpistrategy.sync.build_sync`, the others (``bucket_cap_mb``, ``ranks_per_node`` ...) go to the
+    strategy's constructor. Gossip also takes ``neighbours``, its graph when ``graph=custom``.
     """
     import mpistrategy  # noqa: F401  (registers "mpi_ad")
+    from mpistrategy.sync import SYNC_MODES, SyncConfigurationError, build_sync
 
     if model_parallel:
         from recipes.model_parallel import ModelParallelMPIStrategy as cls
     else:
         from mpistrategy.strategy import MPIADStrategy as cls
 
-    kwargs = {k: v for k, v in options.items() if v is not None}
-    accepted = inspect.signature(cls.__init__).parameters
-    unknown = sorted(set(kwargs) - set(accepted))
-    if unknown:
-        raise TypeError(
-            f"strategy.{unknown[0]}: {cls.__name__} does not accept {unknown}; it accepts "
-            f"{sorted(k for k in accepted if k not in ('self', 'args', 'kwargs'))}"
+    if model_parallel and sync != "flat":
+        raise ValueError(
+            f"strategy.sync={sync!r}: model_parallel=true splits the model across the ranks, which have no "
+            "replicas to average; use sync=flat (strategy=mpi_ad_model_parallel)."
         )
-    return cls(aggregator=aggregator, stop_signals=signal_numbers(stop_signals), **kwargs)
+    if sync not in SYNC_MODES:
+        raise SyncConfigurationError(f"strategy.sync={sync!r} is not a sync mode; valid modes: {', '.join(SYNC_MODES)}.")
+    given = {key: _plain(value) for key, value in options.items()}
+    accepted = _parameters(cls.__init__, exclude=("aggregator", "sync", "stop_signals"))
+    mode_accepts = _parameters(SYNC_MODES[sync].__init__)
+    if sync == "gossip":
+        mode_accepts.add("neighbours")
+    unknown = sorted(set(given) - accepted - mode_accepts)
+    if unknown:
+        mode = f"; sync mode {sync!r} accepts {sorted(mode_accepts)}" if mode_accepts else ""
+        raise TypeError(
+            f"strategy.{unknown[0]}: {cls.__name__} does not accept {unknown}; it accepts {sorted(accepted)}{mode}"
+        )
+    mode_options = {key: value for key, value in given.items() if key in mode_accepts}
+    if sync == "gossip":
+        mode_options["graph"] = _gossip_graph(mode_options.pop("graph", "ring"), mode_options.pop("neighbours", None))
+    kwargs = {key: value for key, value in given.items() if key in accepted and value is not None}
+    return cls(
+        aggregator=aggregator,
+        sync=build_sync(sync, **mode_options),
+        stop_signals=signal_numbers(stop_signals),
+        **kwargs,
+    )
+
+
+def _parameters(function: Any, exclude: tuple[str, ...] = ()) -> set[str]:
+    """The keyword parameters ``function`` takes (without ``self``, ``*args``, ``**kwargs`` and ``exclude``)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name for p in parameters if p.kind in kinds and p.name != "self" and p.name not in exclude}
+
+
+def _plain(value: Any) -> Any:
+    """A config value as the constructors take it: an Enum member's value, a list or dict instead of their
+    OmegaConf containers."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _gossip_graph(graph: str, neighbours: list[list[int]] | None) -> Any:
+    """Gossip's ``graph``: the named graph, or with ``graph=custom`` the ``neighbours`` list, checked against the
+    world size here already (an error while building is reported without a traceback)."""
+    from mpi4py import MPI
+
+    from mpistrategy.sync import SyncConfigurationError
+    from mpistrategy.sync.gossip import neighbours_of
+
+    if graph == "custom":
+        if neighbours is None:
+            raise SyncConfigurationError(
+                "gossip: strategy.graph=custom needs strategy.neighbours, one list of neighbour ranks per rank "
+                "(for 4 ranks on a ring: [[1,3],[0,2],[1,3],[0,2]])."
+            )
+        neighbours_of(neighbours, MPI.COMM_WORLD.Get_size())
+        return neighbours
+    if neighbours is not None:
+        raise SyncConfigurationError(
+            f"gossip: strategy.neighbours is a custom graph but strategy.graph={graph!r}; set strategy.graph=custom "
+            "to use the neighbour list (or drop strategy.neighbours)."
+        )
+    return graph
 
 
 @dataclass

@@ -11,11 +11,17 @@ Call :func:`register_configs` before composing (``recipes.train`` does it at imp
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from mpistrategy.sync.daso import DOWNCAST_TYPES
+from mpistrategy.sync.gossip import GRAPHS as GOSSIP_GRAPHS
+from mpistrategy.sync.transport import NODE_TRANSPORTS
 
 # --- trainer ----------------------------------------------------------------------------------------------------------
 
@@ -68,12 +74,36 @@ class NamedStrategyConf:
     name: str = "auto"
 
 
+def _choices(name: str, values: Iterable[str], doc: str) -> type[Enum]:
+    """An Enum whose members are ``values`` (so that Hydra checks a field against them and lists them)."""
+    choices = Enum(name, [(value, value) for value in values], module=__name__)  # type: ignore[misc]
+    choices.__doc__ = doc
+    return choices
+
+
+NodeTransport = _choices("NodeTransport", NODE_TRANSPORTS, "How node-local gradient averaging travels.")
+GossipGraph = _choices("GossipGraph", (*GOSSIP_GRAPHS, "custom"), "Gossip's graph; custom: the neighbours field.")
+Downcast = _choices(
+    "Downcast", (name for name in DOWNCAST_TYPES if name is not None), "DASO's precision of inter-node averages."
+)
+
+
 @dataclass
 class MPIADStrategyConf:
     """mpistrategy's ``mpi_ad`` strategy (``mpistrategy.strategy.MPIADStrategy``); the aggregator comes from the
-    aggregation group. ``model_parallel`` builds :class:`recipes.model_parallel.ModelParallelMPIStrategy`."""
+    aggregation group. ``model_parallel`` builds :class:`recipes.model_parallel.ModelParallelMPIStrategy`.
+
+    ``sync`` is the step-level sync mode (:mod:`mpistrategy.sync`); the schemas below add each mode's options as
+    fields of the strategy (``strategy=daso strategy.global_skip=8``), which
+    :func:`recipes.builders.mpi_ad_strategy` passes to the mode."""
 
     _target_: str = "recipes.builders.mpi_ad_strategy"
+    sync: str = "flat"
+    #: ranks per (virtual) node; null = the nodes MPI reports (or MPISTRATEGY_RANKS_PER_NODE)
+    ranks_per_node: int | None = None
+    node_transport: NodeTransport = NodeTransport.mpi  # type: ignore[attr-defined]
+    #: log comm/bytes_per_step, comm/node_bytes_per_step and comm/inter_node_bytes_per_step every optimizer step
+    log_traffic: bool = True
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     #: a gradient of at least this many MB is its own bucket, combined in place where autograd put it
@@ -87,6 +117,62 @@ class MPIADStrategyConf:
     #: each rank uses cores-per-node / ranks-per-node torch threads unless OMP_NUM_THREADS is set
     set_num_threads: bool = True
     model_parallel: bool = False
+
+
+@dataclass
+class HierarchicalStrategyConf(MPIADStrategyConf):
+    """``sync=hierarchical`` (:class:`mpistrategy.sync.HierarchicalSync`): no options of its own."""
+
+    sync: str = "hierarchical"
+
+
+@dataclass
+class LocalSGDStrategyConf(MPIADStrategyConf):
+    """``sync=local_sgd`` (:class:`mpistrategy.sync.LocalSGD`)."""
+
+    sync: str = "local_sgd"
+    #: H: local steps between two model averages (>= 1)
+    period: int = 8
+    #: optimizer steps of per-step gradient averaging before the local steps begin (>= 0)
+    warmup_steps: int = 0
+
+
+@dataclass
+class HierarchicalLocalSGDStrategyConf(LocalSGDStrategyConf):
+    """``sync=hierarchical_local_sgd`` (:class:`mpistrategy.sync.HierarchicalLocalSGD`)."""
+
+    sync: str = "hierarchical_local_sgd"
+
+
+@dataclass
+class DASOStrategyConf(MPIADStrategyConf):
+    """``sync=daso`` (:class:`mpistrategy.sync.DASO`), heat's defaults."""
+
+    sync: str = "daso"
+    warmup_epochs: int = 4
+    cooldown_epochs: int = 4
+    global_skip: int = 4
+    batches_to_wait: int = 1
+    local_skip: int = 1
+    max_global_skips: int = 8
+    stability_level: float = 0.05
+    skip_reduction_factor: int = 2
+    local_skip_factor: int = 4
+    sending_chunk_size: int = 10_000_000
+    downcast: Downcast | None = Downcast.bfloat16  # type: ignore[attr-defined,valid-type]
+    downcast_all_phases: bool = False
+
+
+@dataclass
+class GossipStrategyConf(MPIADStrategyConf):
+    """``sync=gossip`` (:class:`mpistrategy.sync.Gossip`)."""
+
+    sync: str = "gossip"
+    graph: GossipGraph = GossipGraph.ring  # type: ignore[attr-defined,valid-type]
+    #: with graph=custom: one list of neighbour ranks per rank (symmetric), e.g. [[1,3],[0,2],[1,3],[0,2]]
+    neighbours: list[list[int]] | None = None
+    #: mix with the neighbours every period optimizer steps (>= 1)
+    period: int = 1
 
 
 @dataclass
@@ -322,7 +408,15 @@ class TrainConfig:
 
 _SCHEMAS: dict[str, dict[str, type]] = {
     "trainer": {"default": TrainerConf},
-    "strategy": {"named": NamedStrategyConf, "mpi_ad": MPIADStrategyConf},
+    "strategy": {
+        "named": NamedStrategyConf,
+        "mpi_ad": MPIADStrategyConf,
+        "hierarchical": HierarchicalStrategyConf,
+        "local_sgd": LocalSGDStrategyConf,
+        "hierarchical_local_sgd": HierarchicalLocalSGDStrategyConf,
+        "daso": DASOStrategyConf,
+        "gossip": GossipStrategyConf,
+    },
     "aggregation": {"mean": MeanAggregationConf},
     "model": {"mlp": MLPConf, "cnn": CNNConf, "tp_mlp": TensorParallelMLPConf, "pipeline_mlp": PipelineMLPConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},

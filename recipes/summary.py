@@ -102,11 +102,28 @@ def summarize_run(
     return summary
 
 
+def bytes_sent(strategy: Any) -> dict[str, Any]:
+    """``{"bytes_sent": {"total", "node", "inter_node"}}``: the payload bytes this rank sent while fitting, from
+    ``strategy.traffic`` (mpi_ad's :class:`~mpistrategy.comm.traffic.TrafficCounter`); empty without one."""
+    traffic = getattr(strategy, "traffic", None)
+    if traffic is None:
+        return {}
+    return {"bytes_sent": {"total": traffic.total, "node": traffic.total_node, "inter_node": traffic.total_inter_node}}
+
+
+def _megabytes(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f} MB"
+
+
 def print_table(summary: dict[str, Any]) -> None:
     rows: list[tuple[str, str]] = []
     for key in ("experiment", "world_size", "strategy", "epochs", "global_step", "fit_seconds", "samples_per_second"):
         if key in summary:
             rows.append((key, str(summary[key])))
+    if "bytes_sent" in summary:
+        sent = summary["bytes_sent"]
+        split = f"node {_megabytes(sent['node'])}, inter-node {_megabytes(sent['inter_node'])}"
+        rows.append(("bytes sent (rank 0)", f"{_megabytes(sent['total'])} ({split})"))
     for name, value in summary.get("final", {}).items():
         rows.append((f"final {name}", f"{value:.4f}"))
     for name, value in summary.get("best", {}).items():

@@ -37,7 +37,7 @@ register_configs()
 
 
 class _BuildFailed(RuntimeError):
-    """Building failed on every rank (the same config error everywhere): report and exit, no abort needed."""
+    """Building failed on some rank (its error is reported where it happened): report and exit, no abort needed."""
 
 
 def _abort(exc: BaseException) -> None:
@@ -49,15 +49,10 @@ def _abort(exc: BaseException) -> None:
     hydra_mpi.comm().Abort(1)
 
 
-def _all_ranks_agree(ok: bool) -> bool:
-    """Collective: True if every rank is ok. Every rank reaches this point whether it failed or not."""
-    return ok if hydra_mpi.size() == 1 else bool(hydra_mpi.comm().allreduce(int(ok), op=_mpi_min()))
-
-
-def _mpi_min():
-    from mpi4py import MPI
-
-    return MPI.MIN
+def _failed_ranks(ok: bool) -> list[int]:
+    """Collective: the ranks that are not ok. Every rank reaches this point whether it failed or not."""
+    oks = hydra_mpi.comm().allgather(ok) if hydra_mpi.size() > 1 else [ok]
+    return [r for r, good in enumerate(oks) if not good]
 
 
 def resume_checkpoint(cfg: DictConfig, output_dir: Path) -> str | None:
@@ -129,7 +124,7 @@ def train(cfg: DictConfig) -> float | None:
 
     import mpistrategy  # noqa: F401  (registers strategy="mpi_ad"; wraps MPI.COMM_WORLD)
     from recipes.builders import build_run
-    from recipes.summary import summarize_run
+    from recipes.summary import bytes_sent, summarize_run
 
     rank_zero_only.rank = hydra_mpi.rank()
     _quiet_known_warnings()
@@ -153,9 +148,13 @@ def train(cfg: DictConfig) -> float | None:
         error: BaseException | None = None
     except Exception as exc:  # reported below, after the ranks agree
         run, error = None, exc
-    if not _all_ranks_agree(error is None):
-        if error is None:
-            raise _BuildFailed("another rank failed to build the run (see its message)")
+    failed = _failed_ranks(error is None)
+    if failed:
+        # main() reports rank 0's error; an error that rank 0 did not have is reported here, where it happened.
+        if error is not None and 0 not in failed:
+            sys.stderr.write(f"[rank {hydra_mpi.rank()}] Error: {explain(error)}\n")
+        if error is None or 0 not in failed:
+            raise _BuildFailed(f"building the run failed on rank(s) {failed}")
         raise error
     assert run is not None
 
@@ -187,6 +186,7 @@ def train(cfg: DictConfig) -> float | None:
             "resumed_from": ckpt_path,
             "run_dir": str(output_dir),
             "metrics": metrics,
+            **bytes_sent(trainer.strategy),
             **(timer.stats() if timer is not None else {}),
         }
         csv_logger = run.loggers.get("csv")
