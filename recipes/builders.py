@@ -64,7 +64,12 @@ def mpi_ad_strategy(
     strategy's constructor. Gossip also takes ``neighbours``, its graph when ``graph=custom``.
     """
     import mpistrategy  # noqa: F401  (registers "mpi_ad")
+    from mpistrategy.comm.topology import topology
     from mpistrategy.sync import SYNC_MODES, SyncConfigurationError, build_sync
+
+    # The one collective of building (the strategy's cluster environment then finds it built): first, so that every
+    # rank reaches it before a value that only some ranks got wrong raises below.
+    topology(_plain(options.get("ranks_per_node")))
 
     if model_parallel:
         from recipes.model_parallel import ModelParallelMPIStrategy as cls
@@ -77,7 +82,8 @@ def mpi_ad_strategy(
             "replicas to average; use sync=flat (strategy=mpi_ad_model_parallel)."
         )
     if sync not in SYNC_MODES:
-        raise SyncConfigurationError(f"strategy.sync={sync!r} is not a sync mode; valid modes: {', '.join(SYNC_MODES)}.")
+        valid = ", ".join(SYNC_MODES)
+        raise SyncConfigurationError(f"strategy.sync={sync!r} is not a sync mode; valid modes: {valid}.")
     given = {key: _plain(value) for key, value in options.items()}
     accepted = _parameters(cls.__init__, exclude=("aggregator", "sync", "stop_signals"))
     mode_accepts = _parameters(SYNC_MODES[sync].__init__)
@@ -170,11 +176,12 @@ def build_strategy(cfg: DictConfig) -> Any:
 
 
 def build_run(cfg: DictConfig, *, trainer_overrides: dict[str, Any] | None = None) -> Run:
-    """Instantiate data, model (with the optimizer and scheduler partials), strategy, loggers, callbacks, Trainer."""
+    """Instantiate strategy (first: building it is collective), data, model (with the optimizer and scheduler
+    partials), loggers, callbacks, Trainer."""
+    strategy = build_strategy(cfg)
     datamodule = instantiate(cfg.data)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
-    strategy = build_strategy(cfg)
     loggers = build_loggers(cfg)
     callbacks = build_callbacks(cfg)
     if OmegaConf.select(cfg, "trainer.enable_progress_bar") is False:

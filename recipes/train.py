@@ -149,13 +149,12 @@ def train(cfg: DictConfig) -> float | None:
     except Exception as exc:  # reported below, after the ranks agree
         run, error = None, exc
     failed = _failed_ranks(error is None)
+    if error is not None and 0 in failed:
+        raise error  # main() reports it on rank 0 (every rank has it when the ranks share the config)
+    if error is not None:
+        raise _BuildFailed(f"Error: {explain(error)}") from error  # rank 0 did not have it: reported here
     if failed:
-        # main() reports rank 0's error; an error that rank 0 did not have is reported here, where it happened.
-        if error is not None and 0 not in failed:
-            sys.stderr.write(f"[rank {hydra_mpi.rank()}] Error: {explain(error)}\n")
-        if error is None or 0 not in failed:
-            raise _BuildFailed(f"building the run failed on rank(s) {failed}")
-        raise error
+        raise _BuildFailed(f"building the run failed on rank(s) {failed}")
     assert run is not None
 
     ckpt_path = resume_checkpoint(cfg, output_dir)
