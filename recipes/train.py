@@ -8,9 +8,10 @@
 
 MPI safety (see recipes/hydra_mpi.py): before Hydra composes, rank 0 decides the run id and broadcasts it, so all
 ranks use one run dir; only rank 0 writes ``.hydra/``, the log, checkpoints, metrics, the summary and plots; sweeps
-run the same points in the same order on every rank. A failure while building is agreed on by all ranks (every rank
-reports and exits); a failure on some ranks only, or during training, aborts the MPI job instead of leaving the
-other ranks blocked in a collective.
+run the same points in the same order on every rank. A failure while building is agreed on by all ranks (rank 0
+reports it, or the rank that alone had it; every rank exits), and so is a setup error that every rank raises
+together (a sync mode the layout cannot run); any other failure during training aborts the MPI job instead of
+leaving the other ranks blocked in a collective.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def train(cfg: DictConfig) -> float | None:
     except BaseException as exc:
         if _coordinated_stop(exc):
             return _stopped(run, exc)
-        if hydra_mpi.size() > 1 and isinstance(exc, Exception):
+        if hydra_mpi.size() > 1 and isinstance(exc, Exception) and not _raised_on_every_rank(exc):
             _abort(exc)
         raise
 
@@ -207,6 +208,13 @@ def _coordinated_stop(exc: BaseException) -> bool:
     from mpistrategy.strategy.failures import is_coordinated_stop
 
     return is_coordinated_stop(exc)
+
+
+def _raised_on_every_rank(exc: BaseException) -> bool:
+    """Every rank raises this error together (a setup error all ranks agreed on): each exits, no abort needed."""
+    from mpistrategy.strategy.failures import raised_on_every_rank
+
+    return raised_on_every_rank(exc)
 
 
 def _stopped(run: Any, exc: BaseException) -> None:
