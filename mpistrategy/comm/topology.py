@@ -45,6 +45,9 @@ class Topology:
         node_rank, num_nodes: index of this node and number of nodes.
         node_sizes: the number of processes on every node, by node rank.
         virtual: nodes were cut from shared-memory nodes by ``ranks_per_node``.
+        machine_rank, machine_size: the rank among, and the number of, the processes sharing this machine's memory
+            (equal to ``local_rank`` and ``local_size`` unless nodes are virtual): what picks this process's GPU
+            and its share of the cores.
         hostname: this node's host name; ``main_address`` is rank 0's.
         node_comm: the processes of this node.
         leader_comm: the local-rank-0 processes of every node, ordered by node rank (``MPI.COMM_NULL`` on the
@@ -68,6 +71,8 @@ class Topology:
     num_nodes: int
     node_sizes: tuple[int, ...]
     virtual: bool
+    machine_rank: int
+    machine_size: int
     hostname: str
     main_address: str
     node_comm: MPI.Intracomm
@@ -181,6 +186,7 @@ def check_launch(world_size: int | None = None) -> None:
 def _build(world: MPI.Intracomm, ranks_per_node: int | None) -> Topology:
     rank, size = world.Get_rank(), world.Get_size()
     shared = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    machine_rank, machine_size = shared.Get_rank(), shared.Get_size()
     if ranks_per_node is None:
         node_comm = shared
     else:
@@ -206,6 +212,8 @@ def _build(world: MPI.Intracomm, ranks_per_node: int | None) -> Topology:
         num_nodes=len(leaders),
         node_sizes=node_sizes,
         virtual=ranks_per_node is not None,
+        machine_rank=machine_rank,
+        machine_size=machine_size,
         hostname=hostname,
         main_address=main_address,
         node_comm=node_comm,

@@ -180,7 +180,7 @@ class MPIADStrategyMixin:
     def root_device(self) -> torch.device:
         devices = self.parallel_devices or [torch.device("cpu")]
         if devices[0].type == "cuda":
-            return torch.device("cuda", self.local_rank % max(1, torch.cuda.device_count()))
+            return torch.device("cuda", self.topology.machine_rank % max(1, torch.cuda.device_count()))
         return devices[0]
 
     @property
@@ -211,7 +211,7 @@ class MPIADStrategyMixin:
 
     def setup_environment(self) -> None:
         if self.set_num_threads and "OMP_NUM_THREADS" not in os.environ:
-            threads = max(1, _cpus_available() // max(1, self.topology.local_size))
+            threads = max(1, _cpus_available() // max(1, self.topology.machine_size))
             torch.set_num_threads(threads)
             os.environ["OMP_NUM_THREADS"] = str(threads)
         super().setup_environment()
