@@ -24,10 +24,24 @@ Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientRe
   :class:`~mpistrategy.aggregation.Aggregator` (non-blocking). Buckets are started strictly in index order on
   every rank (a ready bucket waits for the ones before it), because MPI matches collectives on a communicator by
   order.
-- :meth:`~GradientReducer.wait` (Lightning's ``post_backward``, before clipping and the optimizer step) starts
-  the buckets that did not complete, for parameters this rank did not use in this pass, with their current
-  gradient (zero if none) so that no rank waits for a bucket another rank never sends, then finishes every
-  bucket in order.
+- Which parameters got a gradient on *some* rank is exchanged once per synchronised pass: a bitwise-or allreduce
+  of one byte per parameter (1: a gradient accumulated into it on this rank since it was last combined or
+  zeroed, in this pass or in the unsynchronised micro-batches before it), non-blocking, on a private duplicate of
+  the gradient communicator. A rank posts it when its last bucket starts (during backward, in the common case
+  that it used every parameter) or else in :meth:`~GradientReducer.wait`.
+- :meth:`~GradientReducer.wait` (Lightning's ``post_backward``, before clipping and the optimizer step) finishes
+  the buckets. A rank with buckets left (parameters it did not use) waits for that exchange first; then it starts
+  every bucket left in which some rank has a gradient, with a zero contribution for its own unused parameters
+  (so the result is the average over all ranks, as DDP's ``find_unused_parameters=True`` gives), and skips the
+  buckets in which no rank has one (every rank decides the same, from the same exchange). Then every bucket is
+  finished in order.
+
+A parameter for which no rank has a gradient ends the pass with ``.grad`` as one process would have it:
+``None`` if it had none (after ``zero_grad(set_to_none=True)``, or never trained), else unchanged (zero after
+``zero_grad(set_to_none=False)``, or the value combined by an earlier pass of the same step). Optimizers skip a
+``None`` gradient, so weight decay and momentum do not move a parameter that no rank used, which then trains the
+same at one rank and at N. Between ``zero_grad`` and the end of :meth:`~GradientReducer.wait` such a ``.grad`` can
+read as a zero view of the bucket (a stand-in for ``None``, kept so that the flat buckets need no copy per step).
 
 Parameters whose ``requires_grad`` is False when backward starts are left alone (their ``.grad`` is not touched
 and buckets made only of them are skipped); ``requires_grad`` must be the same on every rank, as it is when every
@@ -44,7 +58,9 @@ import logging
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket, Work
@@ -101,6 +117,11 @@ def assign_buckets(
     return buckets
 
 
+#: what one optimizer's zero_grad does: flat buffers and views to zero, other parameters (reset as the optimizer
+#: would), and the slots of its bucketed parameters
+_ZeroPlan = tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Parameter], np.ndarray]
+
+
 class GradientReducer:
     """Flat gradient buckets over a module's parameters, combined by an aggregator during backward.
 
@@ -142,6 +163,18 @@ class GradientReducer:
         self.buckets: list[GradBucket] = []
         self._named = self._all_parameters()
         self._covered: set[int] = set()
+        # Per parameter of self._named, by position (a "slot"): bytes the hooks set, with numpy views of them.
+        count = len(self._named)
+        self._slot_of = {id(p): slot for slot, (_, p) in enumerate(self._named)}
+        self._slots: list[np.ndarray] = []  # per bucket: the slots of its parameters, in bucket order
+        self._local_bytes = bytearray(count)  # 1: a gradient accumulated here since the last combine or zero_grad
+        self._local = np.frombuffer(self._local_bytes, dtype=np.uint8)
+        self._stand_in = np.zeros(count, dtype=np.uint8)  # 1: no gradient, though .grad may be a zero bucket view
+        self._sent = np.zeros(count, dtype=np.uint8)  # the snapshot of _local in flight
+        self._used = np.zeros(count, dtype=np.uint8)  # 1: some rank has a gradient (the exchange's result)
+        self._usage_comm: MPI.Intracomm = topology.gradients.comm.Dup()
+        self._usage: MPI.Request | None = None  # the exchange in flight (possibly an earlier pass's)
+        self._posted = False  # whether this pass's exchange was posted
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._flags: tuple[bool, ...] = ()
         self._active: list[list[bool]] = []
@@ -153,8 +186,7 @@ class GradientReducer:
         self.started_in_backward = 0
         self.started_at_wait = 0
         self._patched: list[tuple[object, bool]] = []
-        self._zero_plans: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Parameter]]]
-        self._zero_plans = {}
+        self._zero_plans: dict[tuple[int, int], _ZeroPlan] = {}
         self._build()
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -171,6 +203,7 @@ class GradientReducer:
             list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
         )
         self.buckets = []
+        self._slots = []
         for index, group in enumerate(groups):
             numels = [p.numel() for _, p in group]
             offsets = [sum(numels[:i]) for i in range(len(numels))]
@@ -187,8 +220,10 @@ class GradientReducer:
                 if param.grad is not None:
                     self._place(bucket, position, param, param.grad)
             self.buckets.append(bucket)
-            for position, param in enumerate(params):
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, position)))
+            slots = [self._slot_of[id(p)] for p in params]
+            self._slots.append(np.array(slots, dtype=np.intp))
+            for position, (param, slot) in enumerate(zip(params, slots, strict=True)):
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(index, position, slot)))
         self._check_layout()
         self._flags = ()
         self._zero_plans = {}
@@ -207,9 +242,9 @@ class GradientReducer:
                 f"which parameters require gradients): {listing}. Every rank must build the same model."
             )
 
-    def _hook(self, index: int, position: int):
+    def _hook(self, index: int, position: int, slot: int):
         def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(index, position, param)
+            self._on_grad_ready(index, position, slot, param)
 
         return hook
 
@@ -232,13 +267,15 @@ class GradientReducer:
         self.aggregator = self.sync.gradient_aggregator() if sync else None
         self._armed = self.aggregator is not None
         if self._armed:
+            self._posted = False
             self._pending = list(self._active_count)
             self._works = [None] * len(self.buckets)
             self._next = 0
             self.started_in_backward = 0
             self.started_at_wait = 0
 
-    def _on_grad_ready(self, index: int, position: int, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, index: int, position: int, slot: int, param: torch.Tensor) -> None:
+        self._local_bytes[slot] = 1
         bucket = self.buckets[index]
         grad = param.grad
         if grad is not bucket.views[position] and grad is not None:
@@ -265,6 +302,20 @@ class GradientReducer:
                     self._works[self._next] = self.aggregator.start(self.buckets[self._next])
                     self.started_in_backward += 1
                 self._next += 1
+        if self._next == count:
+            self._exchange_usage()
+
+    def _exchange_usage(self) -> None:
+        """Post the bitwise-or allreduce of which parameters have a gradient on this rank (into ``_used``)."""
+        self._finish_usage()
+        np.copyto(self._sent, self._local)
+        self._usage = self._usage_comm.Iallreduce(self._sent, self._used, op=MPI.BOR)
+        self._posted = True
+
+    def _finish_usage(self) -> None:
+        if self._usage is not None:
+            self._usage.Wait()
+            self._usage = None
 
     def _progress(self) -> None:
         """Let MPI advance the buckets in flight (MPI progresses non-blocking collectives inside MPI calls)."""
@@ -275,35 +326,72 @@ class GradientReducer:
                 return
 
     def wait(self) -> None:
-        """Called after backward, before clipping and the optimizer step: finish every bucket, in order."""
+        """Called after backward, before clipping and the optimizer step: finish every bucket, in order, and
+        leave ``.grad`` of the parameters that no rank used as one process would (see the module docstring).
+
+        After a pass without communication (a micro-batch inside gradient accumulation, or a local step of the
+        sync mode) only this rank's own gradients count: a parameter it has none for gets ``None`` back."""
+        count = len(self.buckets)
         if not self._armed:
+            self._drop_missing_gradients(self._local)
             return
         self._armed = False
+        if not count:
+            return
         with validation(False):  # the layout was agreed on once, when it was built
-            for index in range(self._next, len(self.buckets)):
-                if not self._active_count[index]:
-                    continue
-                bucket = self.buckets[index]
-                if self._pending[index] > 0:
-                    self._adopt_gradients(index)
-                self._works[index] = self.aggregator.start(bucket)
-                self.started_at_wait += 1
-            self._next = len(self.buckets)
+            used = self._sent  # on a rank that used every parameter, every rank's answer is known: no need to wait
+            if not self._posted:  # buckets are left: this rank did not use some parameters
+                self._forget_cleared_gradients()
+                self._exchange_usage()
+            if self._next < count:
+                self._finish_usage()
+                used = self._used
+                for index in range(self._next, count):
+                    if not self._active_count[index]:
+                        continue
+                    if self._pending[index] > 0:
+                        if not used[self._slots[index]].any():
+                            continue  # no rank has a gradient for it: every rank skips it
+                        self._adopt_gradients(index)
+                    self._works[index] = self.aggregator.start(self.buckets[index])
+                    self.started_at_wait += 1
+                self._next = count
             for index, work in enumerate(self._works):
                 if work is not None:
                     self.aggregator.finish(self.buckets[index], work)
-        self._works = [None] * len(self.buckets)
+        self._works = [None] * count
+        self._drop_missing_gradients(used)
+        self._local.fill(0)  # every gradient is combined now, or absent
+        self._stand_in.fill(0)
+
+    def _forget_cleared_gradients(self) -> None:
+        """A parameter of a bucket left whose ``.grad`` was set to ``None`` (by the module's ``zero_grad``) after
+        a gradient accumulated into it has no gradient to contribute."""
+        for index in range(self._next, len(self.buckets)):
+            if self._pending[index] > 0:
+                for slot, param in zip(self._slots[index], self.buckets[index].params, strict=True):
+                    if param.grad is None:
+                        self._local_bytes[slot] = 0
+
+    def _drop_missing_gradients(self, used: np.ndarray) -> None:
+        """Set ``.grad`` back to ``None`` where it is a zero stand-in for no gradient and ``used`` says that no
+        rank has one."""
+        for slot in np.flatnonzero(self._stand_in > used):
+            self._named[slot][1].grad = None
 
     def _adopt_gradients(self, index: int) -> None:
-        """Point the ``.grad`` of a bucket's active parameters that got no gradient this pass at the bucket."""
+        """Point the ``.grad`` of a bucket's active parameters that got no gradient this pass at the bucket (zero
+        where they had none: this rank's contribution to another rank's gradient)."""
         bucket = self.buckets[index]
         for position, (active, param) in enumerate(zip(self._active[index], bucket.params, strict=True)):
             grad = param.grad
             if not active or grad is bucket.views[position]:
                 continue
-            if grad is None and not bucket.own_gradient:
-                param.grad = bucket.views[position].zero_()
-                continue
+            if grad is None:
+                self._stand_in[self._slots[index][position]] = 1
+                if not bucket.own_gradient:
+                    param.grad = bucket.views[position].zero_()
+                    continue
             self._place(bucket, position, param, torch.zeros_like(param) if grad is None else grad)
 
     @staticmethod
@@ -321,16 +409,17 @@ class GradientReducer:
     # ------------------------------------------------------------------------------------------- zero_grad
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: object) -> None:
-        """Make ``optimizer.zero_grad()`` zero the bucketed gradients in place instead of setting them to ``None``.
+        """Make ``optimizer.zero_grad()`` zero the flat buckets in place instead of setting the gradients to
+        ``None``.
 
         The ``.grad`` then stay views into the buckets from step to step, and backward accumulates into them in
         place: no copy into the buckets, and no fresh gradient allocation per step. Gradients of parameters
-        outside the buckets keep the optimizer's own behaviour. ``aliases`` are wrappers that must behave the
+        outside the flat buckets keep the optimizer's own behaviour. ``aliases`` are wrappers that must behave the
         same (Lightning's ``LightningOptimizer`` resolves ``zero_grad`` on its class, not on the wrapped object).
 
-        As with ``zero_grad(set_to_none=False)``, a bucketed parameter that gets no gradient in a step has a zero
-        gradient rather than ``None`` (optimizers with momentum or weight decay still move it), as with DDP's
-        ``gradient_as_bucket_view=True``.
+        ``set_to_none`` is honoured all the same where it is observable: a parameter that no rank gives a gradient
+        before the next :meth:`wait` ends it with ``.grad`` ``None`` (or zero with ``set_to_none=False``), as in
+        one process.
         """
         original = optimizer.zero_grad
 
@@ -344,8 +433,14 @@ class GradientReducer:
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, original, set_to_none: bool = True) -> None:
         """Zero ``optimizer``'s gradients in flat buckets in place (whole buffers where it owns a whole bucket);
-        other gradients, own-gradient buckets included, are reset as the optimizer would (``None`` or zero)."""
-        buffers, views, others = self._zero_plan(optimizer)
+        other gradients, own-gradient buckets included, are reset as the optimizer would (``None`` or zero).
+        With ``set_to_none`` the zeroed flat gradients count as absent (see :meth:`wait`)."""
+        buffers, views, others, slots = self._zero_plan(optimizer)
+        if set_to_none:
+            self._stand_in[slots] = 1
+        else:  # a gradient that was absent stays absent, as torch's zero_grad leaves None alone
+            self._stand_in[slots] &= self._local[slots] ^ 1
+        self._local[slots] = 0
         for buffer in buffers:
             buffer.zero_()
         for view in views:
@@ -357,7 +452,7 @@ class GradientReducer:
                 else:
                     param.grad.detach_().zero_()
 
-    def _zero_plan(self, optimizer: torch.optim.Optimizer):
+    def _zero_plan(self, optimizer: torch.optim.Optimizer) -> _ZeroPlan:
         count = sum(len(group["params"]) for group in optimizer.param_groups)
         key = (id(optimizer), count)
         plan = self._zero_plans.get(key)
@@ -372,7 +467,8 @@ class GradientReducer:
                 else:
                     views += [view for view, m in zip(bucket.views, mine, strict=True) if m]
             others = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in bucketed]
-            plan = self._zero_plans[key] = (buffers, views, others)
+            slots = [self._slot_of[id(p)] for b in self.buckets for p in b.params if id(p) in owned]
+            plan = self._zero_plans[key] = (buffers, views, others, np.array(slots, dtype=np.intp))
         return plan
 
     # ------------------------------------------------------------------------------------------- lifetime
@@ -386,6 +482,9 @@ class GradientReducer:
                 del target.zero_grad
         self._patched = []
         self._armed = False
+        if self._usage_comm != MPI.COMM_NULL:
+            self._finish_usage()
+            self._usage_comm.Free()
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.nbytes / _MB:.2f} MB" for b in self.buckets)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpistrategy.aggregation import MeanAggregator
+from mpistrategy.aggregation import GradBucket, MeanAggregator, Work
 from mpistrategy.comm.topology import topology
 from mpistrategy.strategy.reducer import BucketLayoutError, GradientReducer, assign_buckets
 from tests.strategy.helpers import COMM, RANK, SIZE
@@ -118,6 +118,90 @@ def test_parameter_unused_on_some_ranks_does_not_hang(layout: str) -> None:
     reducer.remove()
 
 
+class _Branchy(nn.Module):
+    """A trunk and head every pass uses, a branch that a pass uses only when asked, a layer no pass uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk, self.branch = nn.Linear(5, 6), nn.Linear(6, 6)
+        self.never, self.head = nn.Linear(6, 3), nn.Linear(6, 3)
+        self.double()
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head(h + torch.tanh(self.branch(h)) if use_branch else h)
+
+
+class _CountingMean(MeanAggregator):
+    started = 0
+
+    def start(self, bucket: GradBucket) -> Work:
+        self.started += 1
+        return super().start(bucket)
+
+
+#: (zero_grad with set_to_none, or "module": the module's own zero_grad) or (sync, ranks that use the branch)
+_ZERO, _PASS = "zero", "pass"
+_PROGRAM = [
+    (_ZERO, True), (_PASS, True, {0}),  # used on rank 0 only: the average over all ranks
+    (_ZERO, True), (_PASS, True, set()),  # no rank: None (the never layer always)
+    (_ZERO, True), (_PASS, False, {0}), (_PASS, True, set()),  # accumulated in an unsynchronised micro-batch
+    (_ZERO, True), (_PASS, False, set()), (_PASS, True, {SIZE - 1}),  # only in the synchronised one
+    (_ZERO, False), (_PASS, True, set()),  # set_to_none=False after a gradient: zero, as in one process
+    (_PASS, True, {0}), (_PASS, True, set()), (_PASS, True, set(range(SIZE))),  # passes without zero_grad
+    (_ZERO, "module"), (_PASS, False, {0}), (_ZERO, "module"), (_PASS, True, set()),  # module.zero_grad: None
+    (_ZERO, True), (_PASS, True, set(range(SIZE))),
+]  # fmt: skip
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+@pytest.mark.parametrize("layout", ["one-bucket", "per-parameter", "own"])
+def test_parameters_no_rank_used_end_with_the_gradient_of_one_process(layout: str) -> None:
+    """After every synchronised pass, every ``.grad`` is what one process computes from all ranks' data: ``None``
+    where no rank produced a gradient since ``zero_grad(set_to_none=True)``, the average over all ranks where some
+    did (zero from the others); buckets in which no rank produced one are not sent."""
+    net, ref = _Branchy(), _Branchy()
+    cap, own = {"one-bucket": (25, math.inf), "per-parameter": (1e-5, math.inf), "own": (25, 0.0)}[layout]
+    counting = _CountingMean()
+    reducer = GradientReducer(net, counting, topology(), bucket_cap_mb=cap, own_bucket_mb=own)
+    optimizer, ref_optimizer = torch.optim.SGD(net.parameters(), lr=0.0), torch.optim.SGD(ref.parameters(), lr=0.0)
+    reducer.attach_optimizer(optimizer)
+    fresh: set[str] = set()  # parameters of the reference that got a gradient since they were last combined
+    for name, param in ref.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda _, name=name: fresh.add(name))
+    full, mine = _rank_batch()
+    for step, (kind, *args) in enumerate(_PROGRAM):
+        if kind == _ZERO:
+            if args[0] == "module":
+                net.zero_grad()
+                ref.zero_grad()
+            else:
+                optimizer.zero_grad(set_to_none=args[0])
+                ref_optimizer.zero_grad(set_to_none=args[0])
+            fresh.clear()
+            continue
+        sync, users = args
+        for rank in range(SIZE):
+            (ref(full[rank * 3 : rank * 3 + 3], rank in users).pow(2).sum() * (1 + rank) / SIZE).backward()
+        before = counting.started
+        _backward(reducer, net(mine, RANK in users).pow(2).sum() * (1 + RANK), sync)
+        if not sync:
+            continue
+        names = {id(p): n for n, p in net.named_parameters()}
+        expected = sum(any(names[id(p)] in fresh for p in b.params) for b in reducer.buckets)
+        assert counting.started - before == expected, f"step {step}: buckets sent"
+        fresh.clear()
+        for (name, got), want in zip(net.named_parameters(), ref.parameters(), strict=True):
+            if want.grad is None:
+                assert got.grad is None, f"step {step}: {name}.grad is not None"
+            else:
+                assert got.grad is not None, f"step {step}: {name}.grad is None"
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12, msg=f"step {step}: {name}")
+    assert net.never.weight.grad is None and net.branch.weight.grad is not None
+    reducer.remove()
+
+
 @pytest.mark.mpi(ranks=(2,), timeout=60)
 def test_frozen_parameters_untouched_and_unfrozen_later_picked_up() -> None:
     net = _net()
@@ -133,6 +217,17 @@ def test_frozen_parameters_untouched_and_unfrozen_later_picked_up() -> None:
     _backward(reducer, net(mine).sum())
     gathered = COMM.allgather(first.weight.grad.clone())
     assert all(torch.equal(gathered[0], g) for g in gathered), "unfrozen parameter was not synchronised"
+    # Frozen again, now inside a flat bucket: zero_grad(set_to_none=True) leaves it without a gradient, as in one
+    # process (an optimizer would otherwise apply weight decay to it), while the others are averaged.
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    reducer.attach_optimizer(optimizer)
+    for p in first.parameters():
+        p.requires_grad_(False)
+    optimizer.zero_grad()
+    _backward(reducer, net(mine).sum())
+    assert first.weight.grad is None and first.bias.grad is None
+    gathered = COMM.allgather(net[2].weight.grad.clone())
+    assert all(torch.equal(gathered[0], g) for g in gathered), "the trained parameters were not synchronised"
     reducer.remove()
 
 
