@@ -1,0 +1,185 @@
+"""Parameters that no rank, some ranks or every rank used, and frozen ones: N ranks train as one process does.
+
+The model has (a) a layer ``forward`` never calls, (b) a layer called only for marked samples, all of which land
+on rank 0 (a data-dependent branch that the other ranks never take, and that rank 0 takes only in some steps or
+micro-batches), and (c) a frozen layer. It is trained through ``Trainer(strategy="mpi_ad")`` with AdamW and with
+SGD with momentum, both with weight decay (which would move a parameter given a zero gradient instead of none),
+and compared with one process on the concatenated batches (float64): parameters, optimizer state (which
+parameters have any, and its values), and the never-used and frozen layers bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
+from tests.strategy.helpers import SIZE, epoch_order, loader, regression_data, trainer
+
+FEATURES, HIDDEN, OUTPUTS = 6, 8, 2
+PER_RANK_BATCH = 4  # even: a batch's first half on every rank is the first half of one process's batch
+STEPS = 4
+
+
+class Branchy(nn.Module):
+    """A trunk and head always used, a frozen layer, a branch for marked samples only, a layer never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.trunk = nn.Linear(FEATURES, HIDDEN)
+        self.frozen = nn.Linear(FEATURES, HIDDEN).requires_grad_(False)
+        self.branch = nn.Linear(HIDDEN, HIDDEN)
+        self.never = nn.Linear(HIDDEN, OUTPUTS)
+        self.head = nn.Linear(HIDDEN, OUTPUTS)
+        self.double()
+
+    def forward(self, x: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x)) + self.frozen(x)
+        if marked.any():  # otherwise the branch is not part of the graph: no gradient at all, not a zero one
+            h = torch.where(marked[:, None], h + torch.tanh(self.branch(h)), h)
+        return self.head(h)
+
+
+def make_optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
+def loss_of(net: Branchy, x: torch.Tensor, y: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(net(x, marked), y)
+
+
+class Automatic(L.LightningModule):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.net = Branchy()
+        self.optimizer_name = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return loss_of(self.net, *batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.optimizer_name, self.net.parameters())
+
+
+class TwoPasses(Automatic):
+    """Manual optimization: one zero_grad, a backward pass per half batch, one step."""
+
+    def __init__(self, optimizer: str, set_to_none: bool) -> None:
+        super().__init__(optimizer)
+        self.automatic_optimization = False
+        self.set_to_none = set_to_none
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=self.set_to_none)
+        for half in halves(len(batch[0])):
+            self.manual_backward(loss_of(self.net, *(t[half] for t in batch)) / 2)
+        optimizer.step()
+
+
+def halves(size: int) -> tuple[slice, slice]:
+    return slice(0, size // 2), slice(size // 2, size)
+
+
+def branch_data(batches: int, marked_halves: set[int]) -> TensorDataset:
+    """Regression data for ``batches`` batches per rank, with the samples of one process's half batches
+    ``marked_halves`` marked where they go to rank 0.
+
+    Lightning's DistributedSampler (shuffle, seed 0, epoch 0) hands rank r the positions r, r + N, r + 2N, ... of
+    one permutation (see :func:`epoch_order`); so rank 0 gets position i exactly when i % N == 0, and the first
+    (second) halves of every rank's batch j make up the first (second) half of one process's batch j.
+    """
+    x, y = regression_data(SIZE * PER_RANK_BATCH * batches, FEATURES, OUTPUTS).tensors
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    position = torch.empty_like(perm)
+    position[perm] = torch.arange(len(x))
+    half = position // (SIZE * PER_RANK_BATCH // 2)
+    marked = (position % SIZE == 0) & torch.isin(half, torch.tensor(sorted(marked_halves), dtype=torch.long))
+    return TensorDataset(x, y, marked)
+
+
+def reference(
+    optimizer_name: str, data: TensorDataset, accumulate: int = 1, two_passes: bool = False, set_to_none: bool = True
+) -> tuple[Branchy, torch.optim.Optimizer]:
+    """One process, plain PyTorch, batches of N * PER_RANK_BATCH in the sampler's order."""
+    net = Branchy()
+    optimizer = make_optimizer(optimizer_name, net.parameters())
+    ordered = epoch_order(data).tensors
+    batch = SIZE * PER_RANK_BATCH
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        for micro in range(accumulate):
+            start = (step * accumulate + micro) * batch
+            x, y, marked = (t[start : start + batch] for t in ordered)
+            if two_passes:
+                for half in halves(batch):
+                    (loss_of(net, x[half], y[half], marked[half]) / 2).backward()
+            else:
+                (loss_of(net, x, y, marked) / accumulate).backward()
+        optimizer.step()
+    return net, optimizer
+
+
+def assert_trained_as_one_process(
+    net: Branchy, optimizer: torch.optim.Optimizer, want_net: Branchy, want_optimizer: torch.optim.Optimizer
+) -> None:
+    initial = Branchy()
+    for name in ("never.weight", "never.bias", "frozen.weight", "frozen.bias"):
+        assert torch.equal(net.get_parameter(name), initial.get_parameter(name)), f"{name} moved"
+        assert net.get_parameter(name).grad is None, f"{name} has a gradient"
+        assert not optimizer.state[net.get_parameter(name)], f"{name} has optimizer state"
+    assert not torch.equal(want_net.branch.weight, initial.branch.weight), "the branch did not train"
+    for (name, got), want in zip(net.named_parameters(), want_net.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"parameter {name}")
+        state, want_state = optimizer.state[got], want_optimizer.state[want]
+        assert state.keys() == want_state.keys(), f"optimizer state of {name}: {state.keys()} != {want_state.keys()}"
+        for key, value in want_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=f"{key} of {name}")
+
+
+@pytest.mark.mpi(ranks=(1, 2, 3), timeout=120)
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize(
+    ("accumulate", "marked_halves"),
+    [
+        (1, {0, 6, 7}),  # branch used in steps 0 and 3 (rank 0), by no rank in steps 1 and 2
+        (2, {0, 6, 12, 14}),  # only in the first micro-batch, only in the last (synchronised) one, none, both
+    ],
+    ids=["steps", "micro-batches"],
+)
+@pytest.mark.parametrize("own_bucket_mb", [1.0, 0.0], ids=["flat-buckets", "own-gradient-buckets"])
+def test_unused_partly_used_and_frozen_parameters_train_as_one_process(
+    optimizer: str, accumulate: int, marked_halves: set[int], own_bucket_mb: float
+) -> None:
+    data = branch_data(STEPS * accumulate, marked_halves)
+    model = Automatic(optimizer)
+    fit = trainer(
+        strategy=MPIADStrategy(own_bucket_mb=own_bucket_mb), max_steps=STEPS, accumulate_grad_batches=accumulate
+    )
+    fit.fit(model, loader(data, PER_RANK_BATCH))
+    assert fit.global_step == STEPS
+    assert_trained_as_one_process(model.net, fit.optimizers[0], *reference(optimizer, data, accumulate))
+
+
+@pytest.mark.mpi(ranks=(1, 2, 3), timeout=120)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_several_backward_passes_per_step_train_as_one_process(set_to_none: bool) -> None:
+    """Manual optimization, two backward passes per step; the branch is used in the first pass only, the second
+    only, neither, both. With set_to_none=False a parameter that had a gradient keeps a zero one, which AdamW's
+    weight decay and moments act on in one process too."""
+    data = branch_data(STEPS, {0, 3, 6, 7})
+    model = TwoPasses("adamw", set_to_none)
+    fit = trainer(max_steps=STEPS)
+    fit.fit(model, loader(data, PER_RANK_BATCH))
+    assert fit.global_step == STEPS
+    want = reference("adamw", data, two_passes=True, set_to_none=set_to_none)
+    assert_trained_as_one_process(model.net, fit.optimizers[0], *want)
