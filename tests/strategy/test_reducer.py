@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from mpistrategy.aggregation import GradBucket, MeanAggregator, Work
+from mpistrategy.aggregation import MeanAggregator
 from mpistrategy.comm.topology import topology
 from mpistrategy.strategy.reducer import BucketLayoutError, GradientReducer, assign_buckets
+from mpistrategy.sync import HierarchicalSync, SyncContext
 from tests.strategy.helpers import COMM, RANK, SIZE
 
 
@@ -133,12 +134,16 @@ class _Branchy(nn.Module):
         return self.head(h + torch.tanh(self.branch(h)) if use_branch else h)
 
 
-class _CountingMean(MeanAggregator):
-    started = 0
-
-    def start(self, bucket: GradBucket) -> Work:
-        self.started += 1
-        return super().start(bucket)
+def _branchy_reducer(net: nn.Module, layout: str) -> GradientReducer:
+    """One flat bucket, a flat bucket per parameter, an own-gradient bucket per parameter, or a bucket per
+    parameter averaged through the node hierarchy (virtual nodes of 2 ranks: at 3 ranks, nodes of 2 and 1)."""
+    if layout == "hierarchical":
+        nodes = topology(ranks_per_node=2)
+        sync = HierarchicalSync()
+        sync.setup(SyncContext(net, nodes, MeanAggregator()))
+        return GradientReducer(net, sync, nodes, bucket_cap_mb=1e-5, own_bucket_mb=math.inf)
+    cap, own = {"one-bucket": (25, math.inf), "per-parameter": (1e-5, math.inf), "own": (25, 0.0)}[layout]
+    return GradientReducer(net, MeanAggregator(), topology(), bucket_cap_mb=cap, own_bucket_mb=own)
 
 
 #: (zero_grad with set_to_none, or "module": the module's own zero_grad) or (sync, ranks that use the branch)
@@ -156,15 +161,14 @@ _PROGRAM = [
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
-@pytest.mark.parametrize("layout", ["one-bucket", "per-parameter", "own"])
+@pytest.mark.parametrize("layout", ["one-bucket", "per-parameter", "own", "hierarchical"])
 def test_parameters_no_rank_used_end_with_the_gradient_of_one_process(layout: str) -> None:
     """After every synchronised pass, every ``.grad`` is what one process computes from all ranks' data: ``None``
     where no rank produced a gradient since ``zero_grad(set_to_none=True)``, the average over all ranks where some
-    did (zero from the others); buckets in which no rank produced one are not sent."""
+    did (zero from the others); buckets in which no rank produced one are not sent. After a pass without
+    communication, ``None`` where this rank has no gradient."""
     net, ref = _Branchy(), _Branchy()
-    cap, own = {"one-bucket": (25, math.inf), "per-parameter": (1e-5, math.inf), "own": (25, 0.0)}[layout]
-    counting = _CountingMean()
-    reducer = GradientReducer(net, counting, topology(), bucket_cap_mb=cap, own_bucket_mb=own)
+    reducer = _branchy_reducer(net, layout)
     optimizer, ref_optimizer = torch.optim.SGD(net.parameters(), lr=0.0), torch.optim.SGD(ref.parameters(), lr=0.0)
     reducer.attach_optimizer(optimizer)
     fresh: set[str] = set()  # parameters of the reference that got a gradient since they were last combined
@@ -184,13 +188,13 @@ def test_parameters_no_rank_used_end_with_the_gradient_of_one_process(layout: st
         sync, users = args
         for rank in range(SIZE):
             (ref(full[rank * 3 : rank * 3 + 3], rank in users).pow(2).sum() * (1 + rank) / SIZE).backward()
-        before = counting.started
         _backward(reducer, net(mine, RANK in users).pow(2).sum() * (1 + RANK), sync)
-        if not sync:
+        if not sync:  # every unsynchronised pass of the program directly follows a zero_grad that clears
+            assert net.never.weight.grad is None and (net.branch.weight.grad is None) == (RANK not in users)
             continue
         names = {id(p): n for n, p in net.named_parameters()}
         expected = sum(any(names[id(p)] in fresh for p in b.params) for b in reducer.buckets)
-        assert counting.started - before == expected, f"step {step}: buckets sent"
+        assert reducer.started_in_backward + reducer.started_at_wait == expected, f"step {step}: buckets sent"
         fresh.clear()
         for (name, got), want in zip(net.named_parameters(), ref.parameters(), strict=True):
             if want.grad is None:

@@ -5,7 +5,8 @@ on rank 0 (a data-dependent branch that the other ranks never take, and that ran
 micro-batches), and (c) a frozen layer. It is trained through ``Trainer(strategy="mpi_ad")`` with AdamW and with
 SGD with momentum, both with weight decay (which would move a parameter given a zero gradient instead of none),
 and compared with one process on the concatenated batches (float64): parameters, optimizer state (which
-parameters have any, and its values), and the never-used and frozen layers bit for bit.
+parameters have any, and its values), and the never-used and frozen layers bit for bit. Under local SGD's local
+steps each rank must train as one process on its own batches.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
-from tests.strategy.helpers import SIZE, epoch_order, loader, regression_data, trainer
+from mpistrategy.sync import LocalSGD
+from tests.strategy.helpers import RANK, SIZE, epoch_order, loader, regression_data, trainer
 
 FEATURES, HIDDEN, OUTPUTS = 6, 8, 2
 PER_RANK_BATCH = 4  # even: a batch's first half on every rank is the first half of one process's batch
@@ -107,21 +109,31 @@ def branch_data(batches: int, marked_halves: set[int]) -> TensorDataset:
     return TensorDataset(x, y, marked)
 
 
+def batches_of(data: TensorDataset, size: int, rank: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """The batches of ``size`` in the sampler's order: one process's (N * PER_RANK_BATCH), or ``rank``'s own."""
+    ordered = epoch_order(data).tensors
+    if rank is not None:
+        ordered = tuple(t[rank::SIZE] for t in ordered)
+    return [tuple(t[start : start + size] for t in ordered) for start in range(0, len(ordered[0]), size)]
+
+
 def reference(
-    optimizer_name: str, data: TensorDataset, accumulate: int = 1, two_passes: bool = False, set_to_none: bool = True
+    optimizer_name: str,
+    batches: list[tuple[torch.Tensor, ...]],
+    accumulate: int = 1,
+    two_passes: bool = False,
+    set_to_none: bool = True,
 ) -> tuple[Branchy, torch.optim.Optimizer]:
-    """One process, plain PyTorch, batches of N * PER_RANK_BATCH in the sampler's order."""
+    """One process, plain PyTorch: STEPS optimizer steps of ``accumulate`` consecutive ``batches`` each."""
     net = Branchy()
     optimizer = make_optimizer(optimizer_name, net.parameters())
-    ordered = epoch_order(data).tensors
-    batch = SIZE * PER_RANK_BATCH
-    for step in range(STEPS):
+    micro_batches = iter(batches)
+    for _ in range(STEPS):
         optimizer.zero_grad(set_to_none=set_to_none)
-        for micro in range(accumulate):
-            start = (step * accumulate + micro) * batch
-            x, y, marked = (t[start : start + batch] for t in ordered)
+        for _ in range(accumulate):
+            x, y, marked = next(micro_batches)
             if two_passes:
-                for half in halves(batch):
+                for half in halves(len(x)):
                     (loss_of(net, x[half], y[half], marked[half]) / 2).backward()
             else:
                 (loss_of(net, x, y, marked) / accumulate).backward()
@@ -130,14 +142,18 @@ def reference(
 
 
 def assert_trained_as_one_process(
-    net: Branchy, optimizer: torch.optim.Optimizer, want_net: Branchy, want_optimizer: torch.optim.Optimizer
+    net: Branchy,
+    optimizer: torch.optim.Optimizer,
+    want_net: Branchy,
+    want_optimizer: torch.optim.Optimizer,
+    branch_trains: bool = True,
 ) -> None:
     initial = Branchy()
     for name in ("never.weight", "never.bias", "frozen.weight", "frozen.bias"):
         assert torch.equal(net.get_parameter(name), initial.get_parameter(name)), f"{name} moved"
         assert net.get_parameter(name).grad is None, f"{name} has a gradient"
         assert not optimizer.state[net.get_parameter(name)], f"{name} has optimizer state"
-    assert not torch.equal(want_net.branch.weight, initial.branch.weight), "the branch did not train"
+    assert branch_trains != torch.equal(want_net.branch.weight, initial.branch.weight), "branch training"
     for (name, got), want in zip(net.named_parameters(), want_net.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"parameter {name}")
         state, want_state = optimizer.state[got], want_optimizer.state[want]
@@ -146,28 +162,46 @@ def assert_trained_as_one_process(
             torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=f"{key} of {name}")
 
 
-@pytest.mark.mpi(ranks=(1, 2, 3), timeout=120)
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+#: the branch is used (on rank 0) in steps 0 and 3 and by no rank in steps 1 and 2
+STEPS_PATTERN = (1, {0, 6, 7})
+#: with two micro-batches per step: only in the first micro-batch, only in the last (synchronised) one, in none,
+#: in both
+MICRO_BATCHES_PATTERN = (2, {0, 6, 12, 14})
+
+
+@pytest.mark.mpi(ranks=(1, 2, 3), timeout=180)
 @pytest.mark.parametrize(
-    ("accumulate", "marked_halves"),
+    ("optimizer", "pattern", "options"),
     [
-        (1, {0, 6, 7}),  # branch used in steps 0 and 3 (rank 0), by no rank in steps 1 and 2
-        (2, {0, 6, 12, 14}),  # only in the first micro-batch, only in the last (synchronised) one, none, both
+        ("adamw", STEPS_PATTERN, {}),
+        ("sgd", STEPS_PATTERN, {}),
+        ("adamw", MICRO_BATCHES_PATTERN, {}),
+        ("sgd", MICRO_BATCHES_PATTERN, {}),
+        ("adamw", MICRO_BATCHES_PATTERN, {"own_bucket_mb": 0.0}),
+        ("sgd", STEPS_PATTERN, {"own_bucket_mb": 0.0}),
+        ("adamw", MICRO_BATCHES_PATTERN, {"sync": "hierarchical", "ranks_per_node": 2}),
     ],
-    ids=["steps", "micro-batches"],
+    ids=[
+        "adamw-steps",
+        "sgd-steps",
+        "adamw-micro-batches",
+        "sgd-micro-batches",
+        "adamw-micro-batches-own-gradient-buckets",
+        "sgd-steps-own-gradient-buckets",
+        "adamw-micro-batches-hierarchical",
+    ],
 )
-@pytest.mark.parametrize("own_bucket_mb", [1.0, 0.0], ids=["flat-buckets", "own-gradient-buckets"])
 def test_unused_partly_used_and_frozen_parameters_train_as_one_process(
-    optimizer: str, accumulate: int, marked_halves: set[int], own_bucket_mb: float
+    optimizer: str, pattern: tuple[int, set[int]], options: dict[str, Any]
 ) -> None:
+    accumulate, marked_halves = pattern
     data = branch_data(STEPS * accumulate, marked_halves)
     model = Automatic(optimizer)
-    fit = trainer(
-        strategy=MPIADStrategy(own_bucket_mb=own_bucket_mb), max_steps=STEPS, accumulate_grad_batches=accumulate
-    )
+    fit = trainer(strategy=MPIADStrategy(**options), max_steps=STEPS, accumulate_grad_batches=accumulate)
     fit.fit(model, loader(data, PER_RANK_BATCH))
     assert fit.global_step == STEPS
-    assert_trained_as_one_process(model.net, fit.optimizers[0], *reference(optimizer, data, accumulate))
+    want = reference(optimizer, batches_of(data, SIZE * PER_RANK_BATCH), accumulate)
+    assert_trained_as_one_process(model.net, fit.optimizers[0], *want)
 
 
 @pytest.mark.mpi(ranks=(1, 2, 3), timeout=120)
@@ -181,5 +215,20 @@ def test_several_backward_passes_per_step_train_as_one_process(set_to_none: bool
     fit = trainer(max_steps=STEPS)
     fit.fit(model, loader(data, PER_RANK_BATCH))
     assert fit.global_step == STEPS
-    want = reference("adamw", data, two_passes=True, set_to_none=set_to_none)
+    want = reference("adamw", batches_of(data, SIZE * PER_RANK_BATCH), two_passes=True, set_to_none=set_to_none)
     assert_trained_as_one_process(model.net, fit.optimizers[0], *want)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_local_steps_train_each_rank_as_one_process_on_its_batches() -> None:
+    """Local SGD before its first model average: no gradient communication, so every rank is one process on its
+    own batches; rank 0 takes the branch in steps 0 and 3, the other ranks never."""
+    data = branch_data(STEPS, STEPS_PATTERN[1])
+    model = Automatic("adamw")
+    fit = trainer(strategy=MPIADStrategy(sync=LocalSGD(period=STEPS + 1)), max_steps=STEPS)
+    fit.fit(model, loader(data, PER_RANK_BATCH))
+    assert fit.global_step == STEPS
+    want = reference("adamw", batches_of(data, PER_RANK_BATCH, rank=RANK))
+    assert_trained_as_one_process(model.net, fit.optimizers[0], *want, branch_trains=RANK == 0)
+    if RANK:
+        assert torch.equal(model.net.branch.weight, Branchy().branch.weight), "a branch this rank never took moved"
