@@ -13,10 +13,13 @@ Rules every aggregator must follow, because the reducer relies on them:
 - :meth:`start` is called for the buckets in the same order on every rank (the reducer guarantees it), and must
   only post non-blocking operations or cheap local work; collectives must be matched in that order.
 - :meth:`finish` is called once per started bucket, in start order.
-- A bucket can be started although some of its gradients did not change since the last combine (a parameter no
-  rank used in this backward, or an already combined gradient when several backward passes run before one
-  step, as in manual optimization). Averaging is idempotent on equal values, so the default scheme is unaffected;
-  a scheme with memory (error feedback, compression residuals) should account for it.
+- A bucket in which no rank has a gradient to contribute (no rank used its parameters since they were last
+  combined or zeroed) is not started, on any rank, in that pass: a scheme with per-bucket memory sees a step
+  without it. A started bucket can still hold gradients that did not change since the last combine (a parameter
+  no rank used, next to one that some rank used; zero from the ranks that did not use a parameter; an already
+  combined gradient when several backward passes run before one step, as in manual optimization). Averaging is
+  idempotent on equal values, so the default scheme is unaffected; a scheme with memory (error feedback,
+  compression residuals) should account for it.
 - Every byte of payload this rank hands to MPI is recorded with ``context.sent(nbytes)`` (the mean records the
   bucket's size; a compressor what it really sends), so that the strategy can log bytes per step.
 - State that must survive a checkpoint lives in :meth:`state_dict` / :meth:`load_state_dict`, which hold plain
