@@ -27,8 +27,10 @@ Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientRe
 - Which parameters got a gradient on *some* rank is exchanged once per synchronised pass: a bitwise-or allreduce
   of one byte per parameter (1: a gradient accumulated into it on this rank since it was last combined or
   zeroed, in this pass or in the unsynchronised micro-batches before it), non-blocking, on a private duplicate of
-  the gradient communicator. A rank posts it when its last bucket starts (during backward, in the common case
-  that it used every parameter) or else in :meth:`~GradientReducer.wait`.
+  the world's gradient communicator (all ranks whatever the sync mode, so that every rank, on every node, skips
+  the same buckets). A rank posts it when its last bucket starts (during backward, in the common case that it
+  used every parameter; it then needs no answer, and completes the exchange at its next one) or else in
+  :meth:`~GradientReducer.wait`.
 - :meth:`~GradientReducer.wait` (Lightning's ``post_backward``, before clipping and the optimizer step) finishes
   the buckets. A rank with buckets left (parameters it did not use) waits for that exchange first; then it starts
   every bucket left in which some rank has a gradient, with a zero contribution for its own unused parameters
