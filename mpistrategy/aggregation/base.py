@@ -96,6 +96,9 @@ class AggregationContext:
         buckets: every bucket, in launch order (read-only for the aggregator).
         traffic: counts this rank's payload bytes (see :mod:`mpistrategy.comm.traffic`).
         scope: whether ``comm`` stays inside a node (``"node"``) or spans nodes (``"inter_node"``).
+        span: the ranks whose gradients the aggregator combines, which must agree on which buckets to start
+            (default: ``comm``; a hierarchical scheme combining over the node and then across nodes spans the
+            world).
     """
 
     comm: Communicator
@@ -103,6 +106,11 @@ class AggregationContext:
     buckets: list[GradBucket]
     traffic: TrafficCounter = field(default_factory=TrafficCounter)
     scope: Scope = NODE
+    span: Communicator | None = None
+
+    def __post_init__(self) -> None:
+        if self.span is None:
+            self.span = self.comm
 
     def sent(self, nbytes: int) -> None:
         """Record ``nbytes`` of payload sent by this rank on ``comm``."""

@@ -27,10 +27,11 @@ Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientRe
 - Which parameters got a gradient on *some* rank is exchanged once per synchronised pass: a bitwise-or allreduce
   of one byte per parameter (1: a gradient accumulated into it on this rank since it was last combined or
   zeroed, in this pass or in the unsynchronised micro-batches before it), non-blocking, on a private duplicate of
-  the world's gradient communicator (all ranks whatever the sync mode, so that every rank, on every node, skips
-  the same buckets). A rank posts it when its last bucket starts (during backward, in the common case that it
-  used every parameter; it then needs no answer, and completes the exchange at its next one) or else in
-  :meth:`~GradientReducer.wait`.
+  the communicator the step's aggregator spans (``AggregationContext.span``: all ranks for flat and hierarchical
+  averaging, the node for node-local averaging, so that nodes stay decoupled), so that every rank that combines
+  a bucket skips the same buckets. A rank posts it when its last bucket starts (during backward, in the common
+  case that it used every parameter; it then needs no answer, and completes the exchange at its next one) or
+  else in :meth:`~GradientReducer.wait`.
 - :meth:`~GradientReducer.wait` (Lightning's ``post_backward``, before clipping and the optimizer step) finishes
   the buckets. A rank with buckets left (parameters it did not use) waits for that exchange first; then it starts
   every bucket left in which some rank has a gradient, with a zero contribution for its own unused parameters
@@ -174,7 +175,9 @@ class GradientReducer:
         self._stand_in = np.zeros(count, dtype=np.uint8)  # 1: no gradient, though .grad may be a zero bucket view
         self._sent = np.zeros(count, dtype=np.uint8)  # the snapshot of _local in flight
         self._used = np.zeros(count, dtype=np.uint8)  # 1: some rank has a gradient (the exchange's result)
-        self._usage_comm: MPI.Intracomm = topology.gradients.comm.Dup()
+        # private duplicates, per communicator an aggregator spans, for the exchange of which parameters are used
+        self._usage_comms: dict[int, MPI.Intracomm] = {}
+        self._usage_comm: MPI.Intracomm = MPI.COMM_NULL
         self._usage: MPI.Request | None = None  # the exchange in flight (possibly an earlier pass's)
         self._posted = False  # whether this pass's exchange was posted
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -267,6 +270,8 @@ class GradientReducer:
             self._active = [[p.requires_grad for p in b.params] for b in self.buckets]
             self._active_count = [sum(a) for a in self._active]
         self.aggregator = self.sync.gradient_aggregator() if sync else None
+        if self.aggregator is not None:
+            self._usage_comm = self._usage_comm_for(self.aggregator)
         self._armed = self.aggregator is not None
         if self._armed:
             self._posted = False
@@ -306,6 +311,18 @@ class GradientReducer:
                 self._next += 1
         if self._next == count:
             self._exchange_usage()
+
+    def _usage_comm_for(self, aggregator: Aggregator) -> MPI.Intracomm:
+        """The private communicator on which the ranks ``aggregator`` combines exchange which parameters they
+        used: created on first use (collective over those ranks, which all reach this step together)."""
+        assert aggregator.context is not None and aggregator.context.span is not None
+        span = aggregator.context.span.comm
+        key = span.py2f()
+        found = self._usage_comms.get(key)
+        if found is None:
+            self._finish_usage()
+            found = self._usage_comms[key] = span.Dup()
+        return found
 
     def _exchange_usage(self) -> None:
         """Post the bitwise-or allreduce of which parameters have a gradient on this rank (into ``_used``)."""
@@ -484,9 +501,11 @@ class GradientReducer:
                 del target.zero_grad
         self._patched = []
         self._armed = False
-        if self._usage_comm != MPI.COMM_NULL:
-            self._finish_usage()
-            self._usage_comm.Free()
+        self._finish_usage()
+        for comm in self._usage_comms.values():
+            comm.Free()
+        self._usage_comms = {}
+        self._usage_comm = MPI.COMM_NULL
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.nbytes / _MB:.2f} MB" for b in self.buckets)

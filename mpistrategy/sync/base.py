@@ -136,10 +136,13 @@ class SyncMode(ABC):
         if state:
             raise ValueError(f"{type(self).__name__} is stateless but was given state with keys {sorted(state)}.")
 
-    def aggregation_context(self, buckets: list[GradBucket], comm, spans_nodes: bool) -> AggregationContext:
-        """An :class:`AggregationContext` over ``comm`` for ``buckets``, counting into this mode's traffic."""
+    def aggregation_context(
+        self, buckets: list[GradBucket], comm, spans_nodes: bool, span=None
+    ) -> AggregationContext:
+        """An :class:`AggregationContext` over ``comm`` for ``buckets``, counting into this mode's traffic; ``span``
+        (default ``comm``) is the communicator of every rank whose gradients the aggregator combines."""
         ctx = self.ctx
-        return AggregationContext(comm, ctx.topology, buckets, ctx.traffic, scope_of(spans_nodes))
+        return AggregationContext(comm, ctx.topology, buckets, ctx.traffic, scope_of(spans_nodes), span)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

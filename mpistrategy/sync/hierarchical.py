@@ -28,7 +28,7 @@ class HierarchicalSync(SyncMode):
 
     def setup_buckets(self, buckets: list[GradBucket]) -> None:
         topology = self.ctx.topology
-        self.aggregator.setup(self.aggregation_context(buckets, topology.node_gradients, spans_nodes=False))
+        self.aggregator.setup(self.aggregation_context(buckets, topology.node_gradients, False, topology.gradients))
         if topology.leader_gradients is not None:
             spans_nodes = topology.num_nodes > 1
             inner = self.aggregation_context(buckets, topology.leader_gradients, spans_nodes)

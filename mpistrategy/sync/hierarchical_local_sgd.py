@@ -42,7 +42,7 @@ class HierarchicalLocalSGD(LocalSGD):
     def setup_buckets(self, buckets: list[GradBucket]) -> None:
         topology = self.ctx.topology
         self.node_mean.setup(self.aggregation_context(buckets, topology.node_gradients, spans_nodes=False))
-        self.hierarchical.setup(self.aggregation_context(buckets, topology.node_gradients, spans_nodes=False))
+        self.hierarchical.setup(self.aggregation_context(buckets, topology.node_gradients, False, topology.gradients))
         if topology.leader_gradients is not None:
             leaders = self.aggregation_context(buckets, topology.leader_gradients, topology.num_nodes > 1)
             self.ctx.aggregator.setup(leaders)
