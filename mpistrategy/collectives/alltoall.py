@@ -16,15 +16,9 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._layout import from_front, to_front
-from mpistrategy.collectives.gather import (
-    _blocks,
-    check_along,
-    check_dim_argument,
-    check_sizes,
-    raise_if_flagged,
-)
+from mpistrategy.collectives.gather import _blocks, check_along, check_sizes, raise_if_flagged
 from mpistrategy.comm.buffers import empty_on_wire, off_wire, on_wire
-from mpistrategy.comm.checks import agree_checked, grad_flag, signature, validation_enabled
+from mpistrategy.comm.checks import agree, agreeing, attempt, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 
 
@@ -60,18 +54,21 @@ def alltoall(tensor: torch.Tensor, dim: int = 0, comm: MPI.Comm | Communicator |
     ranks P. Backward: an all-to-all of the cotangents (with equal blocks the same exchange).
     """
     comm = resolve(comm)
-    check_dim_argument(dim, "alltoall")
-    normalised, problem = check_along(tensor, dim, "alltoall")
-    length = tensor.shape[normalised] if problem is None else 0
-    if problem is None and length % comm.size:
-        problem = ValueError(
+    dim, block = checked(comm, "alltoall", "dtype, shape, requires_grad, dim", _alltoall_arguments, tensor, dim, comm)
+    sizes = [block] * comm.size
+    return _Alltoall.apply(tensor, sizes, sizes, dim, comm)
+
+
+def _alltoall_arguments(tensor: torch.Tensor, dim: int, comm: Communicator) -> tuple[tuple, tuple[int, int]]:
+    """This rank's checks of an alltoall: the signature all ranks must share, and (normalised dim, block length)."""
+    normalised = check_along(tensor, dim, "alltoall")
+    length = tensor.shape[normalised]
+    if length % comm.size:
+        raise ValueError(
             f"alltoall: dimension {normalised} has length {length}, not divisible by the {comm.size} ranks; "
             "use alltoall_v for blocks of other sizes."
         )
-    local = signature(tensor if isinstance(tensor, torch.Tensor) else None, grad_flag(tensor), dim)
-    agree_checked(comm, "alltoall", local, "dtype, shape, requires_grad, dim", problem)
-    sizes = [length // comm.size] * comm.size
-    return _Alltoall.apply(tensor, sizes, sizes, normalised, comm)
+    return signature(tensor, grad_flag(tensor), dim), (normalised, length // comm.size)
 
 
 def _exchange_counts(comm: Communicator, send_sizes: list[int] | None) -> list[int]:
@@ -105,38 +102,38 @@ def alltoall_v(
     """
     what = "alltoall_v"
     comm = resolve(comm)
-    check_dim_argument(dim, what)
-    normalised, problem = check_along(tensor, dim, what)
-    sends: list[int] | None = None
-    if problem is None:
-        sends, problem = check_sizes(
-            send_sizes, comm.size, what, "send_sizes", total=tensor.shape[normalised], dim=normalised
-        )
-    receives: list[int] | None = None
-    if recv_sizes is not None:
-        receives, recv_problem = check_sizes(recv_sizes, comm.size, what, "recv_sizes")
-        if recv_problem is None and sends is not None and receives[comm.rank] != sends[comm.rank]:
-            recv_problem = ValueError(
-                f"{what}: recv_sizes[{comm.rank}]={receives[comm.rank]}, but this rank sends itself "
-                f"send_sizes[{comm.rank}]={sends[comm.rank]} slices; they must be equal."
-            )
-        problem = problem or recv_problem
+    checked_sizes, problem = attempt(_alltoall_v_arguments, tensor, send_sizes, recv_sizes, dim, comm)
+    local, dim, sends, receives = checked_sizes if problem is None else ((), 0, None, None)
     learned: list[int] | None = None
-    if recv_sizes is None or (validation_enabled() and comm.size > 1):
-        learned = _exchange_counts(comm, sends if problem is None else None)
+    if recv_sizes is None or agreeing(comm):
+        learned = _exchange_counts(comm, sends)
         if problem is None and receives is not None and min(learned) >= 0 and learned != receives:
             problem = ValueError(
                 f"{what}: recv_sizes={receives}, but the ranks send {learned} to rank {comm.rank}; pass the sizes "
                 "they send (or leave recv_sizes out to learn them)."
             )
-    local = signature(
-        tensor if isinstance(tensor, torch.Tensor) else None,
-        grad_flag(tensor),
-        dim,
-        int(recv_sizes is not None),
-        skip_dim=normalised,
-    )
-    agree_checked(comm, what, local, "dtype, shape (but along dim), requires_grad, dim, use of recv_sizes", problem)
+    describe = "dtype, shape (but along dim), requires_grad, dim, use of recv_sizes"
+    agree(comm, what, local, describe, problem, deferred=learned is not None)
     if learned is not None:
-        raise_if_flagged(learned, what, None)
-    return _Alltoall.apply(tensor, sends, receives if receives is not None else learned, normalised, comm)
+        raise_if_flagged(learned, what, problem)
+    return _Alltoall.apply(tensor, sends, receives if receives is not None else learned, dim, comm)
+
+
+def _alltoall_v_arguments(
+    tensor: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int] | None, dim: int, comm: Communicator
+) -> tuple[tuple, int, list[int], list[int] | None]:
+    """This rank's checks of an alltoall_v: the signature all ranks must share, the normalised dim, and the send
+    and (if given) receive sizes as lists."""
+    what = "alltoall_v"
+    normalised = check_along(tensor, dim, what)
+    sends = check_sizes(send_sizes, comm.size, what, "send_sizes", total=tensor.shape[normalised], dim=normalised)
+    receives = None
+    if recv_sizes is not None:
+        receives = check_sizes(recv_sizes, comm.size, what, "recv_sizes")
+        if receives[comm.rank] != sends[comm.rank]:
+            raise ValueError(
+                f"{what}: recv_sizes[{comm.rank}]={receives[comm.rank]}, but this rank sends itself "
+                f"send_sizes[{comm.rank}]={sends[comm.rank]} slices; they must be equal."
+            )
+    local = signature(tensor, grad_flag(tensor), dim, int(recv_sizes is not None), skip_dim=normalised)
+    return local, normalised, sends, receives

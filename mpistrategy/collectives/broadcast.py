@@ -12,12 +12,19 @@ from mpi4py import MPI
 
 from mpistrategy.collectives.placeholder import anchor
 from mpistrategy.collectives.reduction import _broadcast_from
-from mpistrategy.comm.buffers import empty_on_wire, mpi_buffer, mpi_op, off_wire, on_wire, out_problem, reduction_dtype
-from mpistrategy.comm.checks import check_rank
+from mpistrategy.comm.buffers import (
+    check_out,
+    empty_on_wire,
+    mpi_buffer,
+    mpi_op,
+    off_wire,
+    on_wire,
+    receive_device,
+    reduction_dtype,
+)
+from mpistrategy.comm.checks import agreeing, alone, attempt, check_rank, grad_flag, report
 from mpistrategy.comm.communicator import Communicator, resolve
-from mpistrategy.comm.metadata import TensorMeta, exchange_meta
-
-_CPU = torch.device("cpu")
+from mpistrategy.comm.metadata import TensorMeta, exchange_meta, header_of
 
 
 def _receive(
@@ -79,18 +86,15 @@ def broadcast(
     Backward: a reduce-sum of every rank's cotangent to the root.
     """
     comm = resolve(comm)
-    check_rank(root, comm, "broadcast")
-    meta = exchange_meta(tensor if comm.rank == root else None, comm.rank == root, root, comm.forward, "broadcast")
-    if comm.rank == root:
-        target = tensor.device
-    elif device is not None:
-        target = torch.device(device)
-    else:
-        target = tensor.device if tensor is not None else _CPU
-    problem = out_problem(out, meta.requires_grad, "broadcast")
-    if problem is not None:  # take part in the broadcast, so that no rank waits for this one, then raise
-        _receive(tensor, meta, target, root, comm)
-        raise problem
+    arguments, problem = attempt(_broadcast_arguments, tensor, root, comm, device, out)
+    header, target = arguments if problem is None else (None, None)
+    meta, out_rank = exchange_meta(comm, "broadcast", root, header, (root,), "root", problem, out_given=out is not None)
+    if out_rank >= 0 and meta.requires_grad:  # out= on a receiver, refused now that it knows autograd records
+        late = attempt(check_out, out, True, "broadcast")[1]
+        if agreeing(comm):  # every rank knows that some rank passed out=: all raise
+            report(comm, "broadcast", (root,), "root", late)
+        _receive(tensor, meta, target, root, comm)  # take part, so that no rank waits for this one, then raise
+        raise alone(late, comm, "broadcast")
     if not meta.requires_grad:  # no rank records the op: skip the autograd node
         return _receive(tensor, meta, target, root, comm, out)
     if comm.rank == root:
@@ -98,3 +102,23 @@ def broadcast(
     linked = tensor if tensor is not None and tensor.requires_grad == meta.requires_grad else None
     source = linked if linked is not None else anchor(meta.requires_grad, meta.dtype)
     return _Broadcast.apply(source, meta, target, root, comm)
+
+
+def _broadcast_arguments(
+    tensor: torch.Tensor | None,
+    root: int,
+    comm: Communicator,
+    device: torch.device | str | None,
+    out: torch.Tensor | None,
+) -> tuple[bytes | None, torch.device]:
+    """This rank's checks of a broadcast: the root's header (``None`` elsewhere) and where the result goes.
+
+    A receiver's ``out`` is checked for its shape only once the header has told it the root's (after the op).
+    """
+    check_rank(root, comm, "broadcast")
+    if comm.rank != root:
+        check_out(out, False, "broadcast")
+        return None, receive_device(tensor, device, "broadcast")
+    header = header_of(tensor, root, "broadcast")
+    check_out(out, grad_flag(tensor), "broadcast", tensor.shape, tensor.dtype)
+    return header, tensor.device

@@ -29,11 +29,21 @@ from mpi4py import MPI
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
 from mpistrategy.collectives.placeholder import Placeholder, anchor
 from mpistrategy.collectives.reduction import _allgather_front, _reduce_scatter_front
-from mpistrategy.comm.buffers import check_dtype, deliver, empty_on_wire, mpi_buffer, off_wire, on_wire, out_problem
-from mpistrategy.comm.checks import agree, agree_checked, check_rank, grad_flag, signature
+from mpistrategy.comm.buffers import (
+    check_dtype,
+    check_out,
+    check_tensor,
+    deliver,
+    empty_on_wire,
+    mpi_buffer,
+    off_wire,
+    on_wire,
+    receive_device,
+)
+from mpistrategy.comm.checks import agree, attempt, check_rank, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.errors import CommunicationError
-from mpistrategy.comm.metadata import exchange_meta
+from mpistrategy.comm.metadata import exchange_meta, header_of
 
 # ---------------------------------------------------------------------------------------------------------------
 # Buffers: a tensor whose first dimension is split into blocks of ``sizes`` rows.
@@ -81,54 +91,52 @@ def _scatter_front(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Argument checks shared with alltoall.py. Problems found locally are not raised at once: each rank first tells the
-# others (a flag in the ``agree`` signature, or a negative length in an exchange of sizes), so that a problem on one
-# rank raises on every rank instead of leaving the others blocked in the collective.
+# Argument checks shared with alltoall.py. They raise, and the ops run them through ``attempt``: each rank first
+# tells the others whether its checks passed (in the ``agree`` message, or as a negative length in an exchange of
+# sizes), so that a problem on one rank raises on every rank instead of leaving the others blocked in the
+# collective.
 
 
 def check_dim_argument(dim: object, what: str) -> None:
-    """Raise unless ``dim`` is an int (the same on every rank, so this fails everywhere alike)."""
+    """Raise unless ``dim`` is an int."""
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise TypeError(f"{what}: dim must be an int, got {dim!r}.")
 
 
-def check_along(tensor: object, dim: int, what: str) -> tuple[int | None, Exception | None]:
-    """Local checks of a tensor to communicate along ``dim``: ``(normalised dim, None)`` or ``(None, problem)``."""
-    if not isinstance(tensor, torch.Tensor):
-        return None, TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}.")
-    try:
-        check_dtype(tensor.dtype, what)
-    except TypeError as error:
-        return None, error
+def check_along(tensor: object, dim: int, what: str) -> int:
+    """Local checks of a tensor to communicate along ``dim``; returns ``dim`` normalised (0 <= dim < ndim)."""
+    check_dim_argument(dim, what)
+    check_tensor(tensor, what)
+    check_dtype(tensor.dtype, what)
     ndim = tensor.dim()
     if ndim == 0:
-        return None, ValueError(
+        raise ValueError(
             f"{what}: needs a tensor with at least one dimension, got a 0-dimensional tensor; use tensor.reshape(1)."
         )
     if not -ndim <= dim < ndim:
-        return None, ValueError(f"{what}: dim={dim} is out of range for a tensor of {ndim} dimensions.")
-    return dim % ndim, None
+        raise ValueError(f"{what}: dim={dim} is out of range for a tensor of {ndim} dimensions.")
+    return dim % ndim
 
 
 def check_sizes(
     sizes: object, parts: int, what: str, name: str = "sizes", total: int | None = None, dim: int = 0
-) -> tuple[list[int] | None, Exception | None]:
-    """``(list of ints, None)`` if ``sizes`` gives one non-negative length per rank (adding up to ``total`` if
-    given), else ``(None, problem)``."""
+) -> list[int]:
+    """``sizes`` as a list of ints; raises unless it gives one non-negative length per rank (adding up to
+    ``total`` if given)."""
     try:
         values = [operator.index(size) for size in sizes]  # type: ignore[union-attr]
     except TypeError:
-        return None, TypeError(f"{what}: {name} must be a sequence of ints (one per rank), got {sizes!r}.")
+        raise TypeError(f"{what}: {name} must be a sequence of ints (one per rank), got {sizes!r}.") from None
     if len(values) != parts or min(values, default=0) < 0:
-        return None, ValueError(
+        raise ValueError(
             f"{what}: {name}={values} must give one non-negative length per rank of the communicator ({parts})."
         )
     if total is not None and sum(values) != total:
-        return None, ValueError(
+        raise ValueError(
             f"{what}: {name}={values} add up to {sum(values)}, but dimension {dim} of the tensor has length "
             f"{total}; they must add up to it."
         )
-    return values, None
+    return values
 
 
 def raise_if_flagged(values: Sequence[int], what: str, problem: Exception | None) -> None:
@@ -152,6 +160,35 @@ def _exchange_lengths(comm: Communicator, what: str, length: int, problem: Excep
     return values
 
 
+def _along_arguments(
+    what: str,
+    tensor: torch.Tensor,
+    dim: int,
+    comm: Communicator,
+    sizes: Sequence[int] | None,
+    equal: bool,
+    root: int | None,
+    out: torch.Tensor | None,
+) -> tuple[tuple, tuple[int, int, list[int] | None]]:
+    """This rank's checks of a gather or allgather: the signature all ranks must share, and (normalised dim,
+    this rank's length along it, the given sizes as a list or ``None``)."""
+    normalised = check_along(tensor, dim, what)
+    length = tensor.shape[normalised]
+    extra = () if root is None else (check_rank(root, comm, what),)
+    recorded = grad_flag(tensor)
+    if equal:
+        check_out(out, recorded, what, _resized(tensor.shape, normalised, length * comm.size), tensor.dtype)
+        return signature(tensor, recorded, dim, *extra), (normalised, length, None)
+    known = None if sizes is None else check_sizes(sizes, comm.size, what)
+    if known is not None and known[comm.rank] != length:
+        raise ValueError(
+            f"{what}: sizes[{comm.rank}]={known[comm.rank]}, but this rank's tensor has length {length} along "
+            f"dim {normalised}; pass the same sizes on every rank, sizes[r] being rank r's length."
+        )
+    listed = (-1,) if known is None else (len(known), *known)
+    return signature(tensor, recorded, dim, *extra, *listed, skip_dim=normalised), (normalised, length, known)
+
+
 def _prepare_along(
     what: str,
     tensor: torch.Tensor,
@@ -160,35 +197,21 @@ def _prepare_along(
     sizes: Sequence[int] | None,
     *,
     equal: bool,
-    extra: Sequence[int] = (),
     describe: str,
-    out_problem: Exception | None = None,
+    root: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[int, list[int]]:
-    """Check the arguments of a gather or allgather on every rank; return the normalised dim and the block sizes."""
-    check_dim_argument(dim, what)
-    normalised, problem = check_along(tensor, dim, what)
-    problem = problem or out_problem
-    length = tensor.shape[normalised] if problem is None else -1
-    known: list[int] | None = None
-    if not equal and sizes is not None:
-        known, sizes_problem = check_sizes(sizes, comm.size, what)
-        if problem is None and sizes_problem is None and known[comm.rank] != length:
-            sizes_problem = ValueError(
-                f"{what}: sizes[{comm.rank}]={known[comm.rank]}, but this rank's tensor has length {length} along "
-                f"dim {normalised}; pass the same sizes on every rank, sizes[r] being rank r's length."
-            )
-        problem = problem or sizes_problem
-    present = tensor if isinstance(tensor, torch.Tensor) else None
-    if equal:
-        local = signature(present, grad_flag(tensor), dim, *extra)
-    else:
-        listed = (-1,) if sizes is None else ((len(known), *known) if known is not None else (-2,))
-        local = signature(present, grad_flag(tensor), dim, *extra, *listed, skip_dim=normalised)
-    agree_checked(comm, what, local, describe, problem, deferred=not equal and sizes is None)
-    if equal:
-        return normalised, [length] * comm.size
-    if known is not None:
-        return normalised, known
+    """Check the arguments of a gather or allgather on every rank; return the normalised dim and the block sizes.
+
+    The v-variants without ``sizes`` learn the lengths with one small allgather, which also reports a problem
+    when validation is off.
+    """
+    result, problem = attempt(_along_arguments, what, tensor, dim, comm, sizes, equal, root, out)
+    local, (normalised, length, known) = result if problem is None else ((), (0, -1, None))
+    exchanged = not equal and sizes is None
+    agree(comm, what, local, describe, problem, deferred=exchanged)
+    if not exchanged:
+        return normalised, known if known is not None else [length] * comm.size
     return normalised, _exchange_lengths(comm, what, length, problem)
 
 
@@ -232,16 +255,8 @@ def _gather(
     equal: bool,
 ) -> torch.Tensor | Placeholder:
     comm = resolve(comm)
-    check_rank(root, comm, what)
     dim, sizes = _prepare_along(
-        what,
-        tensor,
-        dim,
-        comm,
-        sizes,
-        equal=equal,
-        extra=(root,),
-        describe=_DESCRIBE_EQUAL if equal else _DESCRIBE_V,
+        what, tensor, dim, comm, sizes, equal=equal, describe=_DESCRIBE_EQUAL if equal else _DESCRIBE_V, root=root
     )
     result = _Gather.apply(tensor, sizes, dim, root, comm)
     if comm.rank == root:
@@ -310,23 +325,37 @@ class _Scatter(torch.autograd.Function):
         return grad_in, None, None, None, None, None, None, None
 
 
-def _broadcast_sizes(
-    sizes: Sequence[int] | None, length: int, dim: int, is_root: bool, root: int, comm: Communicator, what: str
-) -> list[int]:
-    """The root's block sizes (default: an even split of ``length``) on every rank, -1 marking a bad argument."""
-    buffer = np.full(comm.size, -1, dtype=np.int64)
-    problem: Exception | None = None
-    if is_root:
+_DESCRIBE_SCATTER = "root, dim and variant (scatter or scatter_v)"
+
+
+def _scatter_arguments(
+    what: str,
+    tensor: torch.Tensor | None,
+    root: int,
+    dim: int,
+    comm: Communicator,
+    sizes: Sequence[int] | None,
+    device: torch.device | str | None,
+    equal: bool,
+) -> tuple[bytes | None, torch.device, list[int] | None]:
+    """This rank's checks of a scatter: the root's header, where the block goes, and the root's block sizes
+    (``None`` on the other ranks, which learn them from the root)."""
+    check_rank(root, comm, what)
+    check_dim_argument(dim, what)
+    if comm.rank != root:
+        return None, receive_device(tensor, device, what), None
+    header = header_of(tensor, root, what)
+    dim = check_along(tensor, dim, what)
+    length = tensor.shape[dim]
+    if not equal:
         chosen = sizes if sizes is not None else split_sizes(length, comm.size)
-        values, problem = check_sizes(chosen, comm.size, what, total=length, dim=dim)
-        if values is not None:
-            buffer[:] = values
-    comm.forward.Bcast(buffer, root=root)
-    if problem is not None:
-        raise problem
-    if buffer[0] < 0:
-        raise ValueError(f"{what}: the root rank {root} passed invalid sizes (see the error raised there).")
-    return buffer.tolist()
+        return header, tensor.device, check_sizes(chosen, comm.size, what, total=length, dim=dim)
+    if length % comm.size:
+        raise ValueError(
+            f"{what}: dimension {dim} of the root's tensor has length {length}, not divisible by the "
+            f"{comm.size} ranks; use scatter_v for uneven blocks."
+        )
+    return header, tensor.device, [length // comm.size] * comm.size
 
 
 def _scatter(
@@ -340,35 +369,19 @@ def _scatter(
     equal: bool,
 ) -> torch.Tensor:
     comm = resolve(comm)
-    check_rank(root, comm, what)
-    check_dim_argument(dim, what)
-    agree(comm, what, (root, dim, equal), "root, dim and variant (scatter or scatter_v)")
-    is_root = comm.rank == root
-    sent = tensor if is_root else None
-    if isinstance(sent, torch.Tensor) and not torch.is_grad_enabled():
-        sent = sent.detach()  # no graph on the root: the receivers must not expect a backward
-    meta = exchange_meta(sent, is_root, root, comm.forward, what)
-    ndim = len(meta.shape)
-    if ndim == 0 or not -ndim <= dim < ndim:
-        raise ValueError(
-            f"{what}: dim={dim} is out of range for the root's tensor of shape {tuple(meta.shape)}; "
-            "it needs at least one dimension."
-        )
-    dim %= ndim
-    length = meta.shape[dim]
+    arguments, problem = attempt(_scatter_arguments, what, tensor, root, dim, comm, sizes, device, equal)
+    header, target, sizes = arguments if problem is None else (None, None, None)
+    meta, _ = exchange_meta(comm, what, root, header, (root, dim, equal), _DESCRIBE_SCATTER, problem)
+    dim %= len(meta.shape)  # the root checked dim against its tensor
     if equal:
-        if length % comm.size:
-            raise ValueError(
-                f"{what}: dimension {dim} of the root's tensor has length {length}, not divisible by the "
-                f"{comm.size} ranks; use scatter_v for uneven blocks."
-            )
-        sizes = [length // comm.size] * comm.size
-    else:
-        sizes = _broadcast_sizes(sizes, length, dim, is_root, root, comm, what)
-    if is_root:
-        return _Scatter.apply(tensor, sizes, dim, meta.shape, meta.dtype, tensor.device, root, comm)
+        sizes = [meta.shape[dim] // comm.size] * comm.size
+    elif comm.size > 1:  # the root's sizes, checked there
+        buffer = np.array(sizes, dtype=np.int64) if comm.rank == root else np.empty(comm.size, dtype=np.int64)
+        comm.forward.Bcast(buffer, root=root)
+        sizes = buffer.tolist()
+    if comm.rank == root:
+        return _Scatter.apply(tensor, sizes, dim, meta.shape, meta.dtype, target, root, comm)
     own = tensor if isinstance(tensor, torch.Tensor) else None
-    target = torch.device(device) if device is not None else (own.device if own is not None else torch.device("cpu"))
     linked = own if own is not None and own.requires_grad == meta.requires_grad else None
     source = linked if linked is not None else anchor(meta.requires_grad, meta.dtype)
     return _Scatter.apply(source, sizes, dim, meta.shape, meta.dtype, target, root, comm)
@@ -456,18 +469,10 @@ def allgather(
     Backward: a reduce-scatter sum: rank r's input gets the sum over ranks of block r of their cotangents.
     """
     comm = resolve(comm)
-    recorded = grad_flag(tensor)
     dim, sizes = _prepare_along(
-        "allgather",
-        tensor,
-        dim,
-        comm,
-        None,
-        equal=True,
-        describe="dtype, shape, requires_grad, dim",
-        out_problem=out_problem(out, recorded, "allgather"),
+        "allgather", tensor, dim, comm, None, equal=True, describe="dtype, shape, requires_grad, dim", out=out
     )
-    if not recorded:  # autograd does not record the op here: skip the autograd node
+    if not grad_flag(tensor):  # autograd does not record the op here: skip the autograd node
         return _allgather_along(tensor, sizes, dim, comm, out)
     return _Allgather.apply(tensor, sizes, dim, comm)
 

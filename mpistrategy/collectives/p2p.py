@@ -41,6 +41,14 @@ Deadlock safety.
   deadlock in backward, and neither can ranks that run separate backward passes (such as a pipeline's
   micro-batches) in different orders. Waiting at the end of each backward pass would deadlock in the second case.
 
+Errors. Point-to-point ops check their arguments locally, with no exchange. A sender whose checks fail (a
+``None`` or ``meta`` tensor, a dtype that cannot be sent, sendrecv's ``src`` out of range) sends its ``dst`` a
+failure notice instead of the message and raises; the receive that matches it, waiting already or called later,
+raises a :class:`CommunicationError` naming the op, the sender and its error, so neither rank waits and the next
+message pairs as it should. ``sendrecv`` also takes and drops the message its ``src`` sends it. An invalid
+``dst`` or ``tag`` raises on the sender only, and an invalid ``src`` or ``tag`` on the receiver only: there is
+no peer to tell, and a peer that sends to (or waits for) that rank waits until the job ends.
+
 Self messages. ``send``/``recv`` with the own rank raise (a blocking send to oneself waits forever);
 ``sendrecv(x, dst=rank, src=rank)``, ``isend``/``irecv`` to and from the own rank work.
 
@@ -56,6 +64,7 @@ backward through them) from one thread.
 from __future__ import annotations
 
 import atexit
+import contextlib
 from collections import deque
 
 import torch
@@ -63,18 +72,26 @@ from mpi4py import MPI
 
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder, anchor
-from mpistrategy.comm.buffers import empty_on_wire, mpi_buffer, off_wire, on_wire
-from mpistrategy.comm.checks import check_rank
+from mpistrategy.comm.buffers import check_tensor, empty_on_wire, mpi_buffer, off_wire, on_wire
+from mpistrategy.comm.checks import attempt, check_rank
 from mpistrategy.comm.communicator import Communicator, resolve
+from mpistrategy.comm.errors import CommunicationError, with_note
 from mpistrategy.comm.metadata import HEADER_LENGTH, TensorMeta
 
 # The p2p header: TensorMeta's HEADER_LENGTH values, then the sender's number for the message.
 _HEADER_LENGTH = HEADER_LENGTH + 1
+_CPU = torch.device("cpu")
 
 _numbers: dict[tuple[Communicator, int], int] = {}  # next message number, per (communicator, destination)
 _tag_bounds: dict[Communicator, int] = {}
 _arriving: dict[tuple[Communicator, int, int], deque[_Incoming]] = {}  # receives without a posted data receive
-_backward_sends: list[tuple[MPI.Request, torch.Tensor]] = []  # gradient Isends in flight and their buffers
+# Isends nobody waits for (gradients sent in backward, failure notices) and their buffers, released once complete.
+_detached_sends: list[tuple[MPI.Request, torch.Tensor]] = []
+
+# A sender whose checks fail sends its peer a failure notice instead of the message: a header with _FAILED first
+# and the length of the notice's text second, then the text (UTF-8, at most _NOTICE_BYTES) as the data.
+_FAILED = -1
+_NOTICE_BYTES = 2000
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -112,18 +129,52 @@ def _check_peer(peer: int, comm: Communicator, what: str, role: str, allow_self:
 
 
 def _prepare_send(
-    tensor: torch.Tensor, dst: int, tag: int, comm: MPI.Comm | Communicator | None, what: str, allow_self: bool
+    tensor: torch.Tensor,
+    dst: int,
+    tag: int,
+    comm: MPI.Comm | Communicator | None,
+    what: str,
+    allow_self: bool,
+    src: int | None = None,
 ) -> tuple[Communicator, torch.Tensor]:
-    """Check the arguments of a send and build its header (numbered by :func:`_number`)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor to send, got {type(tensor).__name__}.")
+    """Check the arguments of a send (and sendrecv's ``src``) and build its header (numbered by :func:`_number`).
+
+    An invalid ``dst`` or ``tag`` raises here alone: there is no peer to tell. Any other problem is first sent to
+    ``dst`` as a failure notice, so that the receive waiting for this message raises too; sendrecv then also
+    takes the message ``src`` sends it (and drops it), so that ``src`` is not left waiting either.
+    """
     comm = resolve(comm, collective=False)
     _check_peer(dst, comm, what, "dst", allow_self)
     _check_tag(tag, comm, what)
+    header, problem = attempt(_header_of, tensor, what)
+    source = None if src is None else attempt(_check_peer, src, comm, what, "src", True)[1]
+    if problem is None and source is None:
+        return comm, header
+    problem = problem or source
+    _notify(problem, comm, dst, tag, what)
+    if src is not None and source is None:
+        with contextlib.suppress(CommunicationError):  # src failed too: its notice is dropped like its message
+            _receive(_expect(comm, src, tag, _CPU, what))
+    raise problem
+
+
+def _header_of(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """The header of a message carrying ``tensor`` (its number still unset); raises if it cannot be sent."""
+    check_tensor(tensor, what)
     header = torch.zeros(_HEADER_LENGTH, dtype=torch.int64)
-    meta = TensorMeta.of(tensor)
-    header[:HEADER_LENGTH] = torch.tensor(meta.encode(what), dtype=torch.int64)
-    return comm, header
+    header[:HEADER_LENGTH] = torch.tensor(TensorMeta.of(tensor).encode(what), dtype=torch.int64)
+    return header
+
+
+def _notify(problem: Exception, comm: Communicator, dst: int, tag: int, what: str) -> None:
+    """Send ``dst`` a failure notice in place of the message whose checks found ``problem``."""
+    text = f"{type(problem).__name__}: {problem}".encode()[:_NOTICE_BYTES]
+    header = torch.zeros(_HEADER_LENGTH, dtype=torch.int64)
+    header[0], header[1] = _FAILED, len(text)
+    data = torch.tensor(list(text), dtype=torch.uint8)
+    for buffer in (header, data):
+        _detached_sends.append((comm.forward.Isend(mpi_buffer(buffer), dst, tag), buffer))
+    with_note(problem, f"{what} raised this on rank {comm.rank}; rank {dst}, its peer, raises too when it receives.")
 
 
 def _number(header: torch.Tensor, comm: Communicator, dst: int) -> int:
@@ -145,33 +196,46 @@ def _backward_tag(number: int, comm: Communicator) -> int:
 class _Incoming:
     """One message on its way in: first its header, then its data."""
 
-    __slots__ = ("comm", "src", "tag", "device", "header", "request", "meta", "number", "buffer")
+    __slots__ = ("comm", "src", "tag", "device", "what", "header", "request", "meta", "number", "buffer", "failed")
 
-    def __init__(self, comm: Communicator, src: int, tag: int, device: torch.device) -> None:
-        self.comm, self.src, self.tag, self.device = comm, src, tag, device
+    def __init__(self, comm: Communicator, src: int, tag: int, device: torch.device, what: str) -> None:
+        self.comm, self.src, self.tag, self.device, self.what = comm, src, tag, device, what
         self.header = torch.empty(_HEADER_LENGTH, dtype=torch.int64)
         self.request = MPI.REQUEST_NULL  # the header receive, then the data receive
         self.meta: TensorMeta | None = None  # set once the header has arrived
         self.number = -1
         self.buffer: torch.Tensor | None = None
+        self.failed = False  # the sender's checks failed: a failure notice comes instead of the message
 
     def post_header(self) -> None:
         self.request = self.comm.forward.Irecv(mpi_buffer(self.header), self.src, self.tag)
 
     def post_data(self) -> None:
-        meta = TensorMeta.decode(self.header[:HEADER_LENGTH])
+        self.failed = int(self.header[0]) == _FAILED
+        if self.failed:
+            meta = TensorMeta((int(self.header[1]),), torch.uint8, False)
+        else:
+            meta = TensorMeta.decode(self.header[:HEADER_LENGTH])
         self.number = int(self.header[HEADER_LENGTH])
-        self.buffer = empty_on_wire(meta.shape, meta.dtype, self.device)
+        self.buffer = empty_on_wire(meta.shape, meta.dtype, _CPU if self.failed else self.device)
         self.request = self.comm.forward.Irecv(mpi_buffer(self.buffer), self.src, self.tag)
         self.meta = meta
 
     def result(self) -> torch.Tensor:
         return off_wire(self.buffer, self.meta.dtype, self.device)
 
+    def failure(self) -> CommunicationError:
+        """The error of a receive that got a failure notice (once its text has arrived)."""
+        text = bytes(self.buffer.tolist()).decode(errors="replace")
+        return CommunicationError(
+            f"{self.what}: rank {self.src} failed the checks of the message it was sending to rank "
+            f"{self.comm.rank} with tag {self.tag}, so nothing was received (on rank {self.src}: {text})."
+        )
 
-def _expect(comm: Communicator, src: int, tag: int, device: torch.device) -> _Incoming:
+
+def _expect(comm: Communicator, src: int, tag: int, device: torch.device, what: str) -> _Incoming:
     """Queue a receive from ``src`` with ``tag``; its header receive is posted when it reaches the queue's head."""
-    entry = _Incoming(comm, src, tag, device)
+    entry = _Incoming(comm, src, tag, device, what)
     queue = _arriving.setdefault((comm, src, tag), deque())
     queue.append(entry)
     if len(queue) == 1:
@@ -191,8 +255,8 @@ def _progress() -> None:
                 queue[0].post_header()
         if not queue:
             del _arriving[key]
-    if _backward_sends:
-        _backward_sends[:] = [(request, buffer) for request, buffer in _backward_sends if not request.Test()]
+    if _detached_sends:
+        _detached_sends[:] = [(request, buffer) for request, buffer in _detached_sends if not request.Test()]
 
 
 def _heads() -> list[MPI.Request]:
@@ -213,10 +277,14 @@ def _wait(requests: list[MPI.Request]) -> None:
 
 
 def _wait_header(entry: _Incoming) -> None:
+    """Wait until the header of ``entry`` has arrived; raise if it was a failure notice."""
     _progress()
     while entry.meta is None:  # still queued, so there is at least one header receive to wait on
         MPI.Request.Waitany(_heads())
         _progress()
+    if entry.failed:
+        _wait([entry.request])
+        raise entry.failure()
 
 
 def _receive(entry: _Incoming) -> torch.Tensor:
@@ -231,7 +299,7 @@ def _send_gradient(grad: torch.Tensor, peer: int, number: int, comm: Communicato
     if buffer.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
         buffer = buffer.clone()  # the send outlives this backward node: it must own its buffer
     request = comm.backward.Isend(mpi_buffer(buffer), peer, _backward_tag(number, comm))
-    _backward_sends.append((request, buffer))
+    _detached_sends.append((request, buffer))
     try:
         torch.autograd.Variable._execution_engine.queue_callback(_progress)
     except RuntimeError:  # not inside a backward pass: later p2p calls release it
@@ -248,18 +316,18 @@ def _receive_gradient(
 
 
 def wait_backward_sends() -> None:
-    """Block until every gradient this rank sent in a backward pass has been received by its peer.
+    """Block until every gradient this rank sent in a backward pass (and every failure notice) has been received.
 
     Gradient sends are never waited for inside backward (so that backward cannot deadlock); this completes them,
     for instance before freeing a communicator. It runs by itself at interpreter exit.
     """
-    _wait([request for request, _ in _backward_sends])
+    _wait([request for request, _ in _detached_sends])
     _progress()
 
 
 @atexit.register
 def _complete_at_exit() -> None:
-    if _backward_sends and MPI.Is_initialized() and not MPI.Is_finalized():
+    if _detached_sends and MPI.Is_initialized() and not MPI.Is_finalized():
         wait_backward_sends()
 
 
@@ -409,7 +477,7 @@ def recv(
     comm = resolve(comm, collective=False)
     _check_peer(src, comm, "recv", "src", allow_self=False)
     _check_tag(tag, comm, "recv")
-    entry = _expect(comm, src, tag, torch.device(device) if device is not None else torch.device("cpu"))
+    entry = _expect(comm, src, tag, torch.device(device) if device is not None else _CPU, "recv")
     _wait_header(entry)
     return _Recv.apply(anchor(entry.meta.requires_grad, entry.meta.dtype), entry, comm)
 
@@ -425,13 +493,16 @@ def sendrecv(
     If only this rank's ``tensor`` requires grad, the result still carries the graph that receives its gradient,
     so it must reach this rank's loss.
     """
-    comm, header = _prepare_send(tensor, dst, tag, comm, "sendrecv", allow_self=True)
-    _check_peer(src, comm, "sendrecv", "src", allow_self=True)
+    comm, header = _prepare_send(tensor, dst, tag, comm, "sendrecv", allow_self=True, src=src)
     _progress()
     number = _number(header, comm, dst)
     sending = _post_send(tensor, header, dst, tag, comm)
-    entry = _expect(comm, src, tag, tensor.device)
-    _wait_header(entry)
+    entry = _expect(comm, src, tag, tensor.device, "sendrecv")
+    try:
+        _wait_header(entry)
+    except CommunicationError:  # src sent a failure notice; dst still receives this rank's message
+        _detached_sends.extend(zip(*sending, strict=True))
+        raise
     link = anchor(entry.meta.requires_grad, entry.meta.dtype)
     return _SendRecv.apply(tensor, link, entry, sending, number, dst, comm)
 
@@ -476,8 +547,8 @@ def irecv(
     comm = resolve(comm, collective=False)
     _check_peer(src, comm, "irecv", "src", allow_self=True)
     _check_tag(tag, comm, "irecv")
-    target = torch.device(device) if device is not None else torch.device("cpu")
-    entry = _expect(comm, src, tag, target)
+    target = torch.device(device) if device is not None else _CPU
+    entry = _expect(comm, src, tag, target, "irecv")
     # Whether the result requires grad is only known when the header arrives: link it for now (wrap drops the
     # link if the sender wants no gradient). The link lives on the result's device, as handles' token must.
     link = torch.zeros(0, device=target, requires_grad=True)

@@ -28,6 +28,8 @@ from mpistrategy.collectives.placeholder import Placeholder
 from mpistrategy.comm.buffers import (
     NATIVE_REDUCTIONS,
     REDUCE_OPS,
+    check_out,
+    check_tensor,
     deliver,
     empty_on_wire,
     host_ready,
@@ -35,13 +37,12 @@ from mpistrategy.comm.buffers import (
     mpi_op,
     off_wire,
     on_wire,
-    out_problem,
     receive_buffer,
     reduction_dtype,
     same_memory,
     to_mean,
 )
-from mpistrategy.comm.checks import agree, agree_checked, check_dim, check_rank, grad_flag, signature
+from mpistrategy.comm.checks import check_dim, check_rank, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.pool import receive_pool
 
@@ -115,10 +116,26 @@ class _Allreduce(torch.autograd.Function):
         return torch.where(owner == comm.rank, total, torch.zeros_like(total)), None, None
 
 
-def _check_reduction(tensor: torch.Tensor, op: str, what: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}.")
+def _check_reduction(tensor: torch.Tensor, op: str, what: str, refusal: str | None = None) -> None:
+    """Raise unless ``tensor`` can be reduced with ``op``. Ops that offer only sum and avg pass ``refusal``, the
+    end of the error for the other ops."""
+    check_tensor(tensor, what)
     reduction_dtype(tensor.dtype, op, what)
+    if refusal is not None and op not in ("sum", "avg"):
+        raise ValueError(f"{what}: op={op!r} is not {refusal}.")
+
+
+_ALLREDUCE_AGREES = "dtype, shape, op, requires_grad"
+
+
+def _allreduce_arguments(
+    what: str, tensor: torch.Tensor, op: str, out: torch.Tensor | None, refusal: str | None
+) -> tuple[tuple, int]:
+    """This rank's checks of an allreduce: the signature all ranks must share, and whether autograd records it."""
+    _check_reduction(tensor, op, what, refusal)
+    recorded = grad_flag(tensor)
+    check_out(out, recorded, what, tensor.shape, tensor.dtype)
+    return signature(tensor, _OP_CODES[op], recorded), recorded
 
 
 def allreduce(
@@ -141,11 +158,8 @@ def allreduce(
     Backward (objective = sum of every rank's loss): sum and avg apply the same allreduce to the cotangents;
     max and min send the summed cotangent to the rank holding the extremum (the lowest such rank on ties).
     """
-    _check_reduction(tensor, op, "allreduce")
-    recorded = grad_flag(tensor)
     comm = resolve(comm)
-    local = signature(tensor, _OP_CODES[op], recorded)
-    agree_checked(comm, "allreduce", local, "dtype, shape, op, requires_grad", out_problem(out, recorded, "allreduce"))
+    recorded = checked(comm, "allreduce", _ALLREDUCE_AGREES, _allreduce_arguments, "allreduce", tensor, op, out, None)
     if not recorded:
         return _allreduce(tensor, op, comm.forward, comm.size, out)
     return _Allreduce.apply(tensor, op, comm)
@@ -164,14 +178,9 @@ def iallreduce(
     completes when autograd reaches ``tensor``. ``out=tensor`` reduces in place (no copy); it is only allowed
     outside autograd (under ``torch.no_grad()`` or for tensors that do not require grad).
     """
-    _check_reduction(tensor, op, "iallreduce")
-    if op not in ("sum", "avg"):
-        raise ValueError(f"iallreduce: op={op!r} is not available non-blocking; use 'sum' or 'avg', or allreduce.")
-    recorded = grad_flag(tensor)
     comm = resolve(comm)
-    local = signature(tensor, _OP_CODES[op], recorded)
-    problem = out_problem(out, recorded, "iallreduce")
-    agree_checked(comm, "iallreduce", local, "dtype, shape, op, requires_grad", problem)
+    refusal = "available non-blocking; use 'sum' or 'avg', or allreduce"
+    checked(comm, "iallreduce", _ALLREDUCE_AGREES, _allreduce_arguments, "iallreduce", tensor, op, out, refusal)
     link = Link(
         lambda x: _start_allreduce(x, op, comm.forward, comm.size, out),
         lambda g: _start_allreduce(g, op, comm.backward, comm.size),
@@ -229,6 +238,12 @@ class _Reduce(torch.autograd.Function):
         return grad_in, None, None, None
 
 
+def _reduce_arguments(tensor: torch.Tensor, op: str, root: int, comm: Communicator) -> tuple[tuple, None]:
+    _check_reduction(tensor, op, "reduce", "supported; use 'sum' or 'avg' (or allreduce for max/min)")
+    check_rank(root, comm, "reduce")
+    return signature(tensor, _OP_CODES[op], root, grad_flag(tensor)), None
+
+
 def reduce(
     tensor: torch.Tensor, root: int = 0, op: str = "sum", comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor | Placeholder:
@@ -238,17 +253,8 @@ def reduce(
     backward (``placeholder.backward()`` or ``loss + placeholder``). Backward: a broadcast of the root's
     cotangent to every rank (divided by P for avg).
     """
-    _check_reduction(tensor, op, "reduce")
-    if op not in ("sum", "avg"):
-        raise ValueError(f"reduce: op={op!r} is not supported; use 'sum' or 'avg' (or allreduce for max/min).")
     comm = resolve(comm)
-    check_rank(root, comm, "reduce")
-    agree(
-        comm,
-        "reduce",
-        signature(tensor, _OP_CODES[op], root, grad_flag(tensor)),
-        "dtype, shape, op, root, requires_grad",
-    )
+    checked(comm, "reduce", "dtype, shape, op, root, requires_grad", _reduce_arguments, tensor, op, root, comm)
     result = _Reduce.apply(tensor, op, root, comm)
     if comm.rank == root:
         return result
@@ -304,6 +310,54 @@ class _ReduceScatter(torch.autograd.Function):
         return full, None, None, None, None
 
 
+def _reduce_scatter_arguments(
+    what: str, tensor: torch.Tensor, sizes: list[int] | None, dim: int, op: str, comm: Communicator, equal: bool
+) -> tuple[tuple, tuple[list[int], int]]:
+    """This rank's checks of a reduce-scatter: the signature all ranks must share, and (block sizes, dim)."""
+    _check_reduction(tensor, op, what, "supported; use 'sum' or 'avg'")
+    dim = check_dim(dim, tensor.dim(), what)
+    length = tensor.shape[dim] if tensor.dim() else 1
+    if equal and length % comm.size:
+        raise ValueError(
+            f"{what}: dimension {dim} has length {length}, not divisible by the {comm.size} ranks; "
+            "use reduce_scatter_v for uneven blocks."
+        )
+    sizes = list(sizes) if sizes is not None else split_sizes(length, comm.size)
+    if len(sizes) != comm.size or sum(sizes) != length or min(sizes) < 0:
+        raise ValueError(
+            f"{what}: sizes={sizes} must give one non-negative block length per rank ({comm.size}) "
+            f"adding up to the length {length} of dimension {dim}."
+        )
+    return signature(tensor, _OP_CODES[op], dim, grad_flag(tensor), *sizes), (sizes, dim)
+
+
+def _reduce_scatter(
+    what: str,
+    tensor: torch.Tensor,
+    sizes: list[int] | None,
+    dim: int,
+    op: str,
+    comm: MPI.Comm | Communicator | None,
+    *,
+    equal: bool,
+) -> torch.Tensor:
+    comm = resolve(comm)
+    sizes, dim = checked(
+        comm,
+        what,
+        "dtype, shape, op, requires_grad and sizes",
+        _reduce_scatter_arguments,
+        what,
+        tensor,
+        sizes,
+        dim,
+        op,
+        comm,
+        equal,
+    )
+    return _ReduceScatter.apply(tensor, sizes, dim, op, comm)
+
+
 def reduce_scatter_v(
     tensor: torch.Tensor,
     sizes: list[int] | None = None,
@@ -317,37 +371,11 @@ def reduce_scatter_v(
     dimension is split as evenly as possible, the first blocks one longer. ``op`` is ``"sum"`` or ``"avg"``.
     Backward: an allgather of the cotangent blocks along ``dim`` (divided by P for avg).
     """
-    _check_reduction(tensor, op, "reduce_scatter")
-    if op not in ("sum", "avg"):
-        raise ValueError(f"reduce_scatter: op={op!r} is not supported; use 'sum' or 'avg'.")
-    comm = resolve(comm)
-    dim = check_dim(dim, tensor.dim(), "reduce_scatter")
-    length = tensor.shape[dim] if tensor.dim() else 1
-    sizes = list(sizes) if sizes is not None else split_sizes(length, comm.size)
-    if len(sizes) != comm.size or sum(sizes) != length or min(sizes) < 0:
-        raise ValueError(
-            f"reduce_scatter: sizes={sizes} must give one non-negative block length per rank ({comm.size}) "
-            f"adding up to the length {length} of dimension {dim}."
-        )
-    agree(
-        comm,
-        "reduce_scatter",
-        signature(tensor, _OP_CODES[op], dim, grad_flag(tensor), *sizes),
-        "dtype, shape, op, requires_grad and sizes",
-    )
-    return _ReduceScatter.apply(tensor, sizes, dim, op, comm)
+    return _reduce_scatter("reduce_scatter_v", tensor, sizes, dim, op, comm, equal=False)
 
 
 def reduce_scatter(
     tensor: torch.Tensor, dim: int = 0, op: str = "sum", comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor:
     """:func:`reduce_scatter_v` with equal blocks: ``tensor.shape[dim]`` must be divisible by the world size."""
-    comm = resolve(comm)
-    dim = check_dim(dim, tensor.dim(), "reduce_scatter")
-    length = tensor.shape[dim] if tensor.dim() else 1
-    if length % comm.size:
-        raise ValueError(
-            f"reduce_scatter: dimension {dim} has length {length}, not divisible by the {comm.size} ranks; "
-            "use reduce_scatter_v for uneven blocks."
-        )
-    return reduce_scatter_v(tensor, [length // comm.size] * comm.size, dim, op, comm)
+    return _reduce_scatter("reduce_scatter", tensor, None, dim, op, comm, equal=True)

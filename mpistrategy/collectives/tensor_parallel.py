@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives.reduction import _allreduce, _check_reduction
-from mpistrategy.comm.checks import agree, signature
+from mpistrategy.comm.checks import checked, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 
 
@@ -41,14 +41,21 @@ class _ReduceFromParallel(torch.autograd.Function):
 
 
 def copy_to_parallel(tensor: torch.Tensor, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
-    """Identity forward; backward = allreduce-sum of the cotangents (the adjoint of replicating one value)."""
+    """Identity forward; backward = allreduce-sum of the cotangents (the adjoint of replicating one value).
+
+    The forward sends nothing, so its checks are local: a bad ``tensor`` raises on its rank only.
+    """
     _check_reduction(tensor, "sum", "copy_to_parallel")
     return _CopyToParallel.apply(tensor, resolve(comm))
 
 
+def _sum_arguments(tensor: torch.Tensor) -> tuple[tuple, None]:
+    _check_reduction(tensor, "sum", "reduce_from_parallel")
+    return signature(tensor), None
+
+
 def reduce_from_parallel(tensor: torch.Tensor, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
     """Allreduce-sum forward; backward = identity (the value is one shared result whose loss counts once)."""
-    _check_reduction(tensor, "sum", "reduce_from_parallel")
     comm = resolve(comm)
-    agree(comm, "reduce_from_parallel", signature(tensor), "dtype and shape")
+    checked(comm, "reduce_from_parallel", "dtype and shape", _sum_arguments, tensor)
     return _ReduceFromParallel.apply(tensor, comm)

@@ -70,6 +70,33 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
         raise TypeError(f"{what}: tensors of dtype {dtype} cannot be communicated; supported dtypes: {supported}.")
 
 
+def check_tensor(tensor: object, what: str) -> None:
+    """Raise unless ``tensor`` is a torch.Tensor with data (not on the ``meta`` device); its dtype is checked by
+    the op (:func:`check_dtype`, :func:`reduction_dtype`)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.is_meta:
+        raise ValueError(_META.format(what=what, name="the tensor is"))
+
+
+_META = (
+    "{what}: {name} on the meta device, which holds no data to communicate; create it on the CPU or a GPU "
+    "(for example torch.empty_like(tensor, device='cpu'))."
+)
+
+
+def receive_device(own: object, device: torch.device | str | None, what: str) -> torch.device:
+    """Where a receiver of broadcast or scatter puts the result: ``device`` if given, else the device of its own
+    tensor (if it passed one), else the CPU; never the meta device."""
+    if device is not None:
+        target = torch.device(device)
+    else:
+        target = own.device if isinstance(own, torch.Tensor) else _CPU
+    if target.type == "meta":
+        raise ValueError(_META.format(what=what, name="the result would be"))
+    return target
+
+
 def transfer_type(dtype: torch.dtype) -> MPI.Datatype:
     """The MPI datatype that moves one element of ``dtype`` unchanged (no arithmetic)."""
     native = _NATIVE_TYPES.get(dtype)
@@ -218,19 +245,36 @@ def off_wire(buffer: torch.Tensor, dtype: torch.dtype, device: torch.device) -> 
     return buffer.to(device=device, dtype=dtype)
 
 
-def out_problem(out: object, recorded: bool, what: str) -> Exception | None:
-    """What is wrong with an ``out=`` argument before communicating, or ``None``: it must be a tensor, and the op
-    must run outside autograd (the result cannot be both ``out`` and a new autograd node)."""
+def check_out(
+    out: object,
+    recorded: bool,
+    what: str,
+    shape: tuple[int, ...] | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Raise if an ``out=`` argument cannot take the result: it must be a tensor with data, of the result's
+    ``shape`` and ``dtype`` when they are known before communicating, and the op must run outside autograd (the
+    result cannot be both ``out`` and a new autograd node)."""
     if out is None:
-        return None
+        return
     if not isinstance(out, torch.Tensor):
-        return TypeError(f"{what}: out= must be a torch.Tensor, got {type(out).__name__}.")
+        raise TypeError(f"{what}: out= must be a torch.Tensor, got {type(out).__name__}.")
+    if out.is_meta:
+        raise ValueError(_META.format(what=what, name="out= is"))
     if recorded:
-        return ValueError(
+        raise ValueError(
             f"{what}: out= is only allowed outside autograd (under torch.no_grad() or for inputs that do not "
             "require grad); drop out= to get a differentiable result."
         )
-    return None
+    if shape is not None and (out.dtype != dtype or tuple(out.shape) != tuple(shape)):
+        raise _out_mismatch(out, shape, dtype, what)
+
+
+def _out_mismatch(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> ValueError:
+    return ValueError(
+        f"{what}: out= has shape {tuple(out.shape)} and dtype {out.dtype}, but the result has shape "
+        f"{tuple(shape)} and dtype {dtype}; pass an out of that shape and dtype, or no out."
+    )
 
 
 def receive_buffer(
@@ -254,8 +298,8 @@ def deliver(
 ) -> torch.Tensor:
     """The op's result: ``result`` moved to ``dtype`` and ``device``, or written into ``out`` when one was given.
 
-    Called once the collective has completed, so that a bad ``out`` raises on its rank without leaving the other
-    ranks waiting.
+    An ``out`` of the wrong shape or dtype raises here, after the collective, where the result's shape was not
+    known before communicating (broadcast's receivers): on its rank alone, and the ranks stay in step.
     """
     if result is out:
         return out
@@ -263,10 +307,7 @@ def deliver(
         return off_wire(result, dtype, device)
     if not same_memory(result, out):
         if tuple(out.shape) != tuple(result.shape) or out.dtype != dtype:
-            raise ValueError(
-                f"{what}: out= has shape {tuple(out.shape)} and dtype {out.dtype}, but the result has shape "
-                f"{tuple(result.shape)} and dtype {dtype}; pass an out of that shape and dtype, or no out."
-            )
+            raise _out_mismatch(out, result.shape, dtype, what)
         out.copy_(result)
     return out
 

@@ -1,11 +1,20 @@
-"""Argument checks: cheap local ones always, cross-rank agreement when validation is on.
+"""Argument checks that fail on every rank together: local checks first, then one cross-rank exchange.
 
-Local checks (a root outside the communicator, an unknown op, an unsupported dtype) fail identically on every
-rank, because every rank checks its own copy of the same arguments. Disagreement *between* ranks (different
-shapes, dtypes or roots) can only be seen by communicating: :func:`agree` allreduces a digest of a small
-signature and raises the same error on every rank. It costs one allreduce of two integers per op (a few
-microseconds), so it is on by default; ``mpistrategy.set_validation(False)`` or ``MPISTRATEGY_VALIDATE=0`` switch
-it off for production runs.
+Every op checks its own arguments locally (a tensor where one is needed, not on the ``meta`` device, a dtype and
+op the op supports, a root inside the communicator, sizes that add up, ...). Those checks may fail on some ranks
+only, so an op never raises them at once: :func:`attempt` catches the failure, and :func:`agree` folds it into the
+one small exchange the op makes anyway to check that all ranks agree (same shapes, dtypes, ops and roots). That
+exchange is an allreduce (MAX) of two integers, a digest of the rank's signature or -1 for a rank whose checks
+failed; when the ranks differ, a second exchange (an allgather, on this error path only) tells every rank what
+went wrong where. So the rank with the problem raises its own error and every other rank a
+:class:`CommunicationError` naming the op, that rank and its problem; no rank has sent anything yet, so the ranks
+stay in step and the next op works.
+
+The exchange costs a few microseconds per op, so it is on by default; ``mpistrategy.set_validation(False)`` or
+``MPISTRATEGY_VALIDATE=0`` switch it off for production runs. Then nothing is exchanged and nothing is slower, but
+a problem found on one rank raises on that rank only (the others wait in the op, or pair it with the failing
+rank's next call), and disagreements between ranks (shapes, dtypes, ops, roots) are not caught. Ops that exchange
+sizes or a header anyway still report what those carry (see each op).
 """
 
 from __future__ import annotations
@@ -15,15 +24,17 @@ import functools
 import os
 import zlib
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
+from typing import NoReturn, TypeVar
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from mpistrategy.comm.buffers import DTYPE_CODES
 from mpistrategy.comm.communicator import Communicator
-from mpistrategy.comm.errors import CommunicationError
+from mpistrategy.comm.errors import CommunicationError, with_note
 
 _validation = os.environ.get("MPISTRATEGY_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
 _scoped: ContextVar[bool | None] = ContextVar("mpistrategy_validation", default=None)
@@ -127,49 +138,113 @@ def _digest(local: tuple) -> int:
     return ((zlib.crc32(data) & 0x7FFFFFFF) << 32) | zlib.adler32(data)
 
 
-def agree(comm: Communicator, what: str, local: Sequence[object], describe: str = "dtype and shape") -> None:
-    """Raise :class:`CommunicationError` on every rank unless all ranks pass the same ``local`` signature.
+T = TypeVar("T")
 
-    One allreduce (MAX) of two int64 values per call: ``[d, -d]`` for the signature's digest ``d`` gives every
-    rank the largest and the smallest digest, which are equal exactly when all ranks agree (up to a 2**-63
-    digest collision). Only when they differ does a second exchange, an allgather of the signatures, name what
-    each rank passed. A no-op when validation is off or the communicator has one rank.
+# The digest of a rank whose local checks failed: signature digests are never negative.
+_FAILED_DIGEST = -1
+
+
+def attempt(check: Callable[..., T], *args: object) -> tuple[T | None, Exception | None]:
+    """``(check(*args), None)``, or ``(None, error)`` when a local check inside ``check`` raised ``error``.
+
+    Ops run their local checks through this instead of raising at once, and hand the error to :func:`agree` (or
+    to the exchange they make first), which raises it on every rank.
     """
-    if comm.size == 1 or not validation_enabled():
-        return
-    digest = _digest(local if type(local) is tuple else tuple(local))
-    extremes = comm.agreement
-    extremes[0], extremes[1] = digest, -digest
-    comm.forward.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
-    if extremes[0] == -extremes[1]:
-        return
-    rows = comm.forward.allgather(local)
-    listing = "; ".join(f"rank {rank}: {_readable(row)}" for rank, row in enumerate(rows))
-    raise CommunicationError(
-        f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same {describe}."
-    )
+    try:
+        return check(*args), None
+    except Exception as error:  # whatever failed here, every rank must learn of it before anything is sent
+        return None, error
 
 
-def agree_checked(
+def checked(
+    comm: Communicator, what: str, describe: str, check: Callable[..., tuple[Sequence[object], T]], *args: object
+) -> T:
+    """Run ``check(*args)``, this rank's local checks of an op's arguments, which return ``(signature, value)``;
+    then :func:`agree` on the signature across ranks and return ``value``. A check that fails on any rank raises
+    on every rank (see :func:`agree`); ``describe`` names what the signature holds, for the error."""
+    result, problem = attempt(check, *args)
+    local, value = result if problem is None else ((), None)
+    agree(comm, what, local, describe, problem)
+    return value
+
+
+def agreeing(comm: Communicator) -> bool:
+    """Whether ops on ``comm`` check their arguments across ranks before communicating (validation on, >1 rank)."""
+    return comm.size > 1 and validation_enabled()
+
+
+def agree(
     comm: Communicator,
     what: str,
     local: Sequence[object],
-    describe: str,
-    problem: Exception | None,
+    describe: str = "dtype and shape",
+    problem: Exception | None = None,
     *,
     deferred: bool = False,
+    shared: np.ndarray | None = None,
 ) -> None:
-    """:func:`agree` on ``local`` plus a flag for a local ``problem``, then raise the problem.
+    """Raise on every rank unless every rank passed its local checks and all passed the same ``local`` signature.
 
-    The rank with the problem raises it, the others a :class:`CommunicationError`. With ``deferred=True`` and
-    validation off, the problem is left to the caller, whose next exchange tells the other ranks.
+    ``problem`` is what this rank's local checks found (see :func:`attempt`). One allreduce (MAX) of two int64
+    values per call: ``[d, -d]`` for the signature's digest ``d`` (-1 where a check failed) gives every rank the
+    largest and the smallest digest, which are equal exactly when all ranks agree (up to a 2**-63 digest
+    collision). Only when they differ does :func:`report` name what each rank passed, or which ranks failed
+    their checks and why. ``shared``: an int64 buffer whose first two values are used for ``[d, -d]`` and whose
+    other values go through the same MAX reduction (one message for the check and a small payload).
+
+    A no-op when validation is off or the communicator has one rank: then ``problem`` is raised on this rank
+    alone, unless ``deferred`` (and more than one rank), which leaves it to the caller's next exchange.
     """
-    try:
-        agree(comm, what, (*local, problem is not None), describe + " and argument validity")
-    except CommunicationError as error:
-        if problem is not None:
-            raise problem from error
-        raise
-    checked = validation_enabled() and comm.size > 1
-    if problem is not None and (checked or comm.size == 1 or not deferred):
-        raise problem
+    if not agreeing(comm):
+        if problem is not None and not (deferred and comm.size > 1):
+            raise alone(problem, comm, what)
+        return
+    digest = _FAILED_DIGEST if problem is not None else _digest(local if type(local) is tuple else tuple(local))
+    extremes = comm.agreement if shared is None else shared
+    extremes[0], extremes[1] = digest, -digest
+    comm.forward.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
+    if extremes[0] != -extremes[1]:
+        report(comm, what, local, describe, problem)
+    if problem is not None:  # every rank failed its checks: each raises its own error
+        raise with_note(problem, f"{what} raised this on rank {comm.rank}; every rank failed its argument checks.")
+
+
+def report(
+    comm: Communicator, what: str, local: Sequence[object], describe: str, problem: Exception | None
+) -> NoReturn:
+    """Raise on every rank once all ranks know that something is wrong (collective: every rank must call it).
+
+    One allgather of every rank's signature and problem. A rank with a problem raises it (its cause names every
+    failing rank); the others raise a :class:`CommunicationError` naming the op, each failing rank and its problem,
+    or, when no rank failed its checks, each rank's ``describe`` values.
+    """
+    failure = None if problem is None else f"{type(problem).__name__}: {problem}"
+    rows = comm.forward.allgather((tuple(local or ()), failure))
+    failed = [(rank, text) for rank, (_, text) in enumerate(rows) if text is not None]
+    if failed:
+        ranks = ", ".join(str(rank) for rank, _ in failed)
+        listing = "; ".join(f"on rank {rank}: {text}" for rank, text in failed)
+        error = CommunicationError(
+            f"{what}: rank{'s' if len(failed) > 1 else ''} {ranks} failed the argument checks, so no rank "
+            f"communicated ({listing})."
+        )
+    else:
+        listing = "; ".join(f"rank {rank}: {_readable(row)}" for rank, (row, _) in enumerate(rows))
+        error = CommunicationError(
+            f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same "
+            f"{describe}."
+        )
+    if problem is not None:
+        raise with_note(problem, f"{what} raised this on rank {comm.rank}; every other rank raised too.") from error
+    raise error
+
+
+def alone(problem: Exception, comm: Communicator, what: str) -> Exception:
+    """``problem``, noted as raised on this rank only (validation off: the other ranks were not told)."""
+    if comm.size == 1:
+        return problem
+    return with_note(
+        problem,
+        f"{what} raised this on rank {comm.rank} only: with validation off (mpistrategy.set_validation) the other "
+        f"ranks are not told and may wait in {what}.",
+    )

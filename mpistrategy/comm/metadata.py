@@ -15,8 +15,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpistrategy.comm.buffers import DTYPE_CODES, check_dtype
-from mpistrategy.comm.checks import grad_flag
+from mpistrategy.comm.buffers import DTYPE_CODES, check_dtype, check_tensor
+from mpistrategy.comm.checks import agree, agreeing, alone, grad_flag
+from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.errors import CommunicationError
 
 MAX_DIMS = 12
 HEADER_LENGTH = 3 + MAX_DIMS
@@ -51,8 +53,17 @@ class TensorMeta:
         return cls(tuple(values[3 : 3 + ndim]), DTYPE_CODES[values[0]], bool(values[1]))
 
 
-_NO_TENSOR, _UNSENDABLE = -1, -2
 _HEADER_BYTES = HEADER_LENGTH * 8
+# The header the root broadcasts when its own checks failed (validation off): dtype code -1.
+_FAILED = np.array([-1] + [0] * (HEADER_LENGTH - 1), dtype=np.int64).tobytes()
+
+# With validation on, broadcast and scatter send the header inside the cross-rank check (see exchange_meta): one
+# MAX allreduce of [digest, -digest, highest rank passing out= (-1: none), header], in which every rank but the
+# root contributes the lowest int64 as header.
+_OUT_SLOT = 2
+_HEADER_OFFSET = 3 * 8
+_LOWEST = np.full(HEADER_LENGTH, np.iinfo(np.int64).min, dtype=np.int64).tobytes()
+_shared: dict[Communicator, tuple[np.ndarray, memoryview]] = {}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -61,41 +72,72 @@ def _header(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool, wha
     return np.array(TensorMeta(tuple(shape), dtype, requires_grad).encode(what), dtype=np.int64).tobytes()
 
 
-def _flag(code: int) -> bytes:
-    return np.array([code] + [0] * (HEADER_LENGTH - 1), dtype=np.int64).tobytes()
+def header_of(tensor: torch.Tensor | None, root: int, what: str) -> bytes:
+    """The header of the tensor the ``root`` sends, as bytes; raises unless it is a tensor that can be sent."""
+    if tensor is None:
+        raise ValueError(f"{what}: the root rank {root} passed no tensor; it must pass the tensor to send.")
+    check_tensor(tensor, what)
+    return _header(tensor.shape, tensor.dtype, bool(grad_flag(tensor)), what)
 
 
 @functools.lru_cache(maxsize=1024)
-def _decoded(header: bytes) -> TensorMeta | int:
-    """The metadata in a received header, or its flag (``_NO_TENSOR``, ``_UNSENDABLE``) when the sender had none."""
-    values = np.frombuffer(header, dtype=np.int64).tolist()
-    return values[0] if values[0] < 0 else TensorMeta.decode(values)
+def _decoded(header: bytes) -> TensorMeta:
+    return TensorMeta.decode(np.frombuffer(header, dtype=np.int64).tolist())
+
+
+def _shared_buffer(comm: Communicator) -> tuple[np.ndarray, memoryview]:
+    """The communicator's buffer for a header sent with the cross-rank check, and its bytes."""
+    found = _shared.get(comm)
+    if found is None:
+        values = np.empty(3 + HEADER_LENGTH, dtype=np.int64)
+        found = _shared[comm] = (values, memoryview(values).cast("B"))
+    return found
 
 
 def exchange_meta(
-    tensor: torch.Tensor | None, is_sender: bool, root: int, channel: MPI.Intracomm, what: str
-) -> TensorMeta:
-    """Broadcast the sender's :class:`TensorMeta` from ``root``.
+    comm: Communicator,
+    what: str,
+    root: int,
+    header: bytes | None,
+    local: Sequence[object],
+    describe: str,
+    problem: Exception | None,
+    *,
+    out_given: bool = False,
+) -> tuple[TensorMeta, int]:
+    """The root's :class:`TensorMeta` on every rank, and the highest rank that passed ``out=`` (-1: none).
 
-    If the root has nothing it can send (``None``, an unsupported dtype, too many dimensions), every rank raises
-    instead of the receivers waiting forever.
+    ``header`` is the root's :func:`header_of` (``None`` elsewhere); ``local`` and ``problem`` are the signature
+    every rank must agree on (the root among it) and what this rank's local checks found, as for
+    :func:`~mpistrategy.comm.checks.agree`.
+
+    With validation on (and more than one rank) the header travels inside the cross-rank check, so the op still
+    sends one small message: a MAX allreduce of ``[digest, -digest, out rank, header]`` in which the root
+    contributes its header and the others the lowest int64. Every rank learns the root's header, and at once
+    whether every rank passed its checks with the same ``local``; if not, every rank raises (see ``agree``).
+
+    With validation off the root broadcasts the header (a flag if its own checks failed, so that every rank
+    raises); a problem on another rank raises there alone, ranks that disagree on the root are not caught, and
+    the returned out rank is this rank's own.
     """
-    problem: Exception | None = None
-    if not is_sender:
-        header = bytearray(_HEADER_BYTES)
-    elif not isinstance(tensor, torch.Tensor):
-        header = bytearray(_flag(_NO_TENSOR))
+    is_root = comm.rank == root
+    if agreeing(comm):
+        values, raw = _shared_buffer(comm)
+        values[_OUT_SLOT] = comm.rank if out_given else -1
+        raw[_HEADER_OFFSET:] = header if is_root and problem is None else _LOWEST
+        agree(comm, what, local, describe, problem, shared=values)
+        return _decoded(bytes(raw[_HEADER_OFFSET:])), int(values[_OUT_SLOT])
+    if problem is not None and not is_root:
+        raise alone(problem, comm, what)
+    if is_root:
+        buffer = bytearray(header if problem is None else _FAILED)
     else:
-        try:
-            header = bytearray(_header(tensor.shape, tensor.dtype, bool(grad_flag(tensor)), what))
-        except (TypeError, ValueError) as error:
-            problem, header = error, bytearray(_flag(_UNSENDABLE))
-    channel.Bcast([header, MPI.BYTE], root=root)
-    meta = _decoded(bytes(header))
-    if isinstance(meta, TensorMeta):
-        return meta
-    if meta == _NO_TENSOR:
-        raise ValueError(f"{what}: the sending rank {root} passed no tensor; it must pass the tensor to send.")
+        buffer = bytearray(_HEADER_BYTES)
+    comm.forward.Bcast([buffer, MPI.BYTE], root=root)
     if problem is not None:
         raise problem
-    raise TypeError(f"{what}: the tensor on the sending rank {root} cannot be sent (see the error on rank {root}).")
+    if buffer == _FAILED:
+        raise CommunicationError(
+            f"{what}: the root rank {root} failed its argument checks (see the error raised there); nothing was sent."
+        )
+    return _decoded(bytes(buffer)), comm.rank if out_given else -1

@@ -7,7 +7,7 @@ import torch
 from mpi4py import MPI
 
 import mpistrategy as ms
-from mpistrategy import Placeholder
+from mpistrategy import CommunicationError, Placeholder
 from tests.adjoint import assert_adjoint, gather_reference, rank, size, strided
 
 pytestmark = pytest.mark.mpi
@@ -102,14 +102,38 @@ def test_receivers_get_a_new_tensor_and_the_root_its_own_memory() -> None:
 
 
 def test_root_errors_raise_on_every_rank() -> None:
+    """The root raises its own error, the other ranks a CommunicationError that names the root and the error."""
     root = size() - 1
-    with pytest.raises(ValueError, match=f"rank {root} passed no tensor"):
+    at_root = rank() == root
+    with pytest.raises(ValueError if at_root else CommunicationError, match=f"rank {root} passed no tensor"):
         ms.broadcast(None, root=root)
     with pytest.raises(ValueError, match="root"):
         ms.broadcast(torch.ones(2), root=size())
     with pytest.raises(ValueError, match="root"):
         ms.broadcast(torch.ones(2), root=-1)
-    with pytest.raises(TypeError, match="cannot be (communicated|sent)"):
-        ms.broadcast(torch.ones(2, dtype=torch.uint16) if rank() == root else None, root=root)
-    out = ms.broadcast(torch.ones(2) if rank() == root else None, root=root)
+    with pytest.raises(TypeError if at_root else CommunicationError, match="cannot be communicated"):
+        ms.broadcast(torch.ones(2, dtype=torch.uint16) if at_root else None, root=root)
+    out = ms.broadcast(torch.ones(2) if at_root else None, root=root)
     assert torch.equal(out, torch.ones(2))  # every rank still in step
+
+
+def test_ranks_passing_different_roots_raise_on_every_rank() -> None:
+    """No rank broadcasts: the rank that believed it was the root keeps its own input unchanged."""
+    if size() == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    mine = torch.full((2,), float(rank()))
+    disagreement = r"broadcast: ranks disagree on the root \(rank 0: \(0\); rank 1: \(1\)"
+    with pytest.raises(CommunicationError, match=disagreement):
+        ms.broadcast(mine, root=min(rank(), 1))
+    assert torch.equal(mine, torch.full((2,), float(rank())))
+    assert torch.equal(ms.broadcast(mine, root=1), torch.ones(2))
+
+
+def test_without_validation_the_root_still_reports_its_own_errors() -> None:
+    """Validation off: the header the root broadcasts anyway carries a flag when its checks failed."""
+    root = size() - 1
+    with ms.validation(False):
+        with pytest.raises(ValueError if rank() == root else CommunicationError, match=f"rank {root}"):
+            ms.broadcast(torch.ones(2, device="meta") if rank() == root else None, root=root)
+        out = ms.broadcast(torch.arange(3.0) if rank() == root else None, root=root)
+    assert torch.equal(out, torch.arange(3.0))

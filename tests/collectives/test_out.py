@@ -7,6 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity
 
 import mpistrategy as ms
+from mpistrategy import CommunicationError
 from tests.adjoint import gather_reference, rank, size, strided
 
 pytestmark = pytest.mark.mpi
@@ -87,18 +88,28 @@ def test_out_with_autograd_raises_on_every_rank() -> None:
         ms.allreduce(x, out=out)
     with pytest.raises(ValueError, match="outside autograd"):
         ms.allgather(x, out=torch.empty(3 * size()))
-    with pytest.raises(ValueError, match="outside autograd"):
-        ms.broadcast(x if rank() == 0 else None, root=0, out=out)
+    with pytest.raises(ValueError if rank() == 0 else CommunicationError, match="outside autograd"):
+        ms.broadcast(x if rank() == 0 else None, root=0, out=out)  # refused on the root: every rank raises
+    with pytest.raises(ValueError if rank() == size() - 1 else CommunicationError, match="outside autograd"):
+        ms.broadcast(x if rank() == 0 else None, root=0, out=out if rank() == size() - 1 else None)
     with torch.no_grad():
         assert torch.equal(ms.allreduce(x, out=out), torch.full((3,), float(size())))
 
 
-def test_out_of_the_wrong_shape_or_dtype_raises_after_the_collective() -> None:
+def test_out_of_the_wrong_shape_or_dtype_raises() -> None:
+    """Where the result's shape is known before communicating, before it (on every rank); on broadcast's receivers,
+    which learn it from the root, after the broadcast, on the rank with the bad out alone."""
     x = torch.ones(4)
     with pytest.raises(ValueError, match=r"out= has shape \(3,\).*result has shape \(4,\)"):
         ms.allreduce(x, out=torch.empty(3))
-    with pytest.raises(ValueError, match="dtype torch.float64"):
+    with pytest.raises(ValueError if rank() == 0 else CommunicationError, match="dtype torch.float64"):
         ms.broadcast(x if rank() == 0 else None, root=0, out=torch.empty(4, dtype=torch.float64))
+    wrong = torch.empty(5)
+    if rank() == size() - 1 and size() > 1:
+        with pytest.raises(ValueError, match=r"out= has shape \(5,\)"):
+            ms.broadcast(None, root=0, out=wrong)
+    else:
+        assert torch.equal(ms.broadcast(x if rank() == 0 else None, root=0), x)
     with pytest.raises(TypeError, match="out= must be a torch.Tensor"):
         ms.allgather(x, out=[0.0] * 4)
     assert torch.equal(ms.allreduce(x), torch.full((4,), float(size())))  # the ranks are still in step

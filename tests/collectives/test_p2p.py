@@ -41,7 +41,7 @@ def _no_leftovers():
     yield
     p2p.wait_backward_sends()
     assert not p2p._arriving, "a receive is still queued"
-    assert not p2p._backward_sends
+    assert not p2p._detached_sends
     COMM.Barrier()
 
 

@@ -1,0 +1,118 @@
+"""Bad input on one rank raises on every rank, at 2 and 3 ranks: caught (the ranks stay in step) and not caught
+(the job ends). The cases are in bad_inputs.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import mpistrategy as ms
+from mpistrategy import CommunicationError
+from mpistrategy.collectives import p2p
+from tests.collectives.bad_inputs import CASES, STARTED, UNCAUGHT, culprit, left, rank, right, size
+
+REPO = Path(__file__).resolve().parents[2]
+UNCAUGHT_SECONDS = 30.0
+
+
+def message(error: BaseException) -> str:
+    """What a user reads: the message and its notes."""
+    return "\n".join([str(error), *getattr(error, "__notes__", [])])
+
+
+def assert_in_step() -> None:
+    """The next collectives and messages pair as they should and return the right values."""
+    total = ms.allreduce(torch.full((3,), float(rank() + 1)))
+    assert torch.equal(total, torch.full((3,), size() * (size() + 1) / 2))
+    root = size() - 1
+    value = ms.broadcast(torch.arange(4.0) * root if rank() == root else None, root=root)
+    assert torch.equal(value, torch.arange(4.0) * root)
+    received = ms.sendrecv(torch.full((2,), float(rank())), right(rank()), left(rank()), tag=3)
+    assert torch.equal(received, torch.full((2,), float(left(rank()))))
+    p2p.wait_backward_sends()
+    assert not p2p._arriving and not p2p._detached_sends
+
+
+@pytest.mark.mpi(ranks=(2, 3))
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_on_one_rank_raises_on_every_rank(name: str) -> None:
+    case = CASES[name]
+    bad = rank() == culprit()
+    if rank() in case.raisers():
+        expected = case.error if bad else CommunicationError
+        with pytest.raises(expected) as caught:
+            case.call(bad)
+        text = message(caught.value)
+        assert case.op in text and f"rank {culprit()}" in text, text
+    else:  # point-to-point: a rank the culprit sends nothing to gets its own message (if any) as usual
+        result = case.call(bad)
+        assert result is None or torch.equal(result, torch.ones(2 * size()))
+    assert_in_step()
+
+
+@pytest.mark.mpi(ranks=(2, 3))
+def test_sendrecv_with_an_invalid_src_tells_dst() -> None:
+    """The culprit names no valid source: its dst learns of the error; the message its left neighbour sent it stays
+    unreceived (nobody can tell whom it was for), and its next receive from that neighbour gets it."""
+    x = torch.full((2,), float(rank()))
+    if rank() == culprit():
+        with pytest.raises(ValueError, match=f"src={size()} is not a rank") as caught:
+            ms.sendrecv(x, right(rank()), size(), tag=5)
+        assert f"rank {right(rank())}, its peer, raises too" in message(caught.value)
+        assert torch.equal(ms.recv(left(rank()), tag=5), torch.full((2,), float(left(rank()))))
+    elif rank() == right(culprit()):
+        with pytest.raises(CommunicationError, match=f"sendrecv: rank {culprit()} failed the checks.*src={size()}"):
+            ms.sendrecv(x, right(rank()), left(rank()), tag=5)
+    else:
+        assert torch.equal(ms.sendrecv(x, right(rank()), left(rank()), tag=5), torch.full((2,), float(left(rank()))))
+    assert_in_step()
+
+
+@pytest.mark.mpi(ranks=(2, 3))
+def test_without_validation_a_local_problem_raises_on_its_rank_only() -> None:
+    """Validation off: every rank makes the same mistake (so no rank waits); the error says the others were not
+    told, and nothing is exchanged for the check."""
+    with ms.validation(False):
+        with pytest.raises(TypeError) as caught:
+            ms.allreduce(None)
+        assert "other ranks are not told" in message(caught.value) or size() == 1
+        value = ms.broadcast(torch.ones(3) if rank() == 0 else None, root=0)
+    assert torch.equal(value, torch.ones(3))
+    assert_in_step()
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("name", UNCAUGHT)
+def test_uncaught_bad_input_ends_the_job(name: str, nranks: int) -> None:
+    """The same mistake in a script that catches nothing: every rank that raises exits with its traceback, so the
+    job ends non-zero within 30 s of the call instead of hanging."""
+    from mpistrategy.launch import mpiexec_command
+    from tests.mpi_harness import clean_environ
+
+    case = CASES[name]
+    command = [*mpiexec_command(), "-n", str(nranks), sys.executable, "-m", "tests.collectives.bad_inputs", name]
+    job = subprocess.Popen(
+        command, cwd=REPO, env=clean_environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        stdout, stderr = job.communicate(timeout=120 + UNCAUGHT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+    ended = time.time()
+    out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+    started = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(STARTED)]
+    assert started, f"the job never reached the call:\n{out}\n{err}"
+    assert job.returncode != 0, f"the job ended with 0:\n{err}"
+    assert ended - started[0] < UNCAUGHT_SECONDS, f"the job ran {ended - started[0]:.0f} s after the call:\n{err}"
+    assert "Traceback (most recent call last)" in err
+    assert f"{case.error.__name__}: {case.op}" in err, err  # the culprit's own error
+    raisers = 2 if case.pairwise else nranks
+    assert err.count("Traceback (most recent call last)") >= raisers, err
