@@ -9,8 +9,9 @@ For allreduce, broadcast and allgather of float32 messages from 1 KB to 64 MB it
   ``mpi4py`` (the same MPI call on those buffers), ``gloo`` (torch.distributed, in place), and for reference
   ``new`` (mpistrategy's op returning a new tensor: the cost of a fresh result), ``no-val`` (``ours`` with
   the cross-rank argument validation switched off: the cost of that check) and ``floor``: ``mpi4py`` plus the
-  one small message each of our ops sends first (the 16-byte allreduce of the argument check, or for broadcast
-  the header that tells receivers the shape and dtype), the least any op with those guarantees can cost;
+  one small message each of our ops sends first (the 16-byte allreduce of the argument check; for broadcast the
+  same allreduce carries the header that tells receivers the shape and dtype), the least any op with those
+  guarantees can cost;
 - forward+backward: ``ours`` (the autograd op, ``y.backward(g)``), ``mpi4py`` (the forward and the adjoint
   collective by hand into preallocated buffers), ``gloo`` (torch.distributed.nn.functional), and for reference
   ``floor``: a bare autograd.Function around the same mpi4py calls writing into fresh ``torch.empty`` tensors
@@ -156,21 +157,22 @@ def _timings(op: str, nbytes: int, backward: bool, comm, quick: bool) -> dict[st
 
 def _minimal_forward(op: str, comm, validated: bool, mpi4py) -> Callable[[], None]:
     """The least a forward of ``op`` with mpistrategy's guarantees can cost: the bare mpi4py call (``mpi4py``)
-    after the one small message our op sends first. For broadcast that is the header that tells receivers the
-    root's shape and dtype (always sent); for allreduce and allgather the two-int64 MAX allreduce of the
-    cross-rank argument check (sent when validation is on). The ``floor`` contender of the forward."""
+    after the one small message our op sends first: with validation on, the MAX allreduce of the cross-rank
+    argument check (two int64; for broadcast 18, the check and the header that tells receivers the root's shape
+    and dtype); with validation off, nothing, but for broadcast a broadcast of the header. The ``floor``
+    contender of the forward."""
     from mpi4py import MPI
 
     from mpistrategy.comm.metadata import HEADER_LENGTH
 
     header = bytearray(HEADER_LENGTH * 8)
-    extremes = np.zeros(2, dtype=np.int64)
+    extremes = np.zeros(2 + (1 + HEADER_LENGTH if op == "broadcast" else 0), dtype=np.int64)
 
     def floor():
-        if op == "broadcast":
-            comm.Bcast([header, MPI.BYTE], root=0)
-        elif validated:
+        if validated:
             comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
+        elif op == "broadcast":
+            comm.Bcast([header, MPI.BYTE], root=0)
         mpi4py()
 
     return floor

@@ -14,6 +14,7 @@ from mpistrategy.collectives.placeholder import anchor
 from mpistrategy.collectives.reduction import _broadcast_from
 from mpistrategy.comm.buffers import (
     check_out,
+    check_tensor,
     empty_on_wire,
     mpi_buffer,
     mpi_op,
@@ -83,6 +84,11 @@ def broadcast(
     made), as ``torch.distributed.broadcast`` leaves the root's tensor in place: clone before changing either in
     place. Receivers get a new tensor.
 
+    Errors: with validation on (the default), a bad argument on any rank (a root outside the communicator, no
+    tensor or a ``meta`` tensor on the root, a bad ``device`` or ``out``) and ranks that pass different roots raise
+    on every rank before anything is sent, at no extra message: the root's header travels in the allreduce that
+    checks the arguments. With validation off only the root's own problems reach the other ranks.
+
     Backward: a reduce-sum of every rank's cotangent to the root.
     """
     comm = resolve(comm)
@@ -117,6 +123,8 @@ def _broadcast_arguments(
     """
     check_rank(root, comm, "broadcast")
     if comm.rank != root:
+        if tensor is not None:  # not read, but linked into the graph
+            check_tensor(tensor, "broadcast")
         check_out(out, False, "broadcast")
         return None, receive_device(tensor, device, "broadcast")
     header = header_of(tensor, root, "broadcast")

@@ -160,35 +160,6 @@ def _exchange_lengths(comm: Communicator, what: str, length: int, problem: Excep
     return values
 
 
-def _along_arguments(
-    what: str,
-    tensor: torch.Tensor,
-    dim: int,
-    comm: Communicator,
-    sizes: Sequence[int] | None,
-    equal: bool,
-    root: int | None,
-    out: torch.Tensor | None,
-) -> tuple[tuple, tuple[int, int, list[int] | None]]:
-    """This rank's checks of a gather or allgather: the signature all ranks must share, and (normalised dim,
-    this rank's length along it, the given sizes as a list or ``None``)."""
-    normalised = check_along(tensor, dim, what)
-    length = tensor.shape[normalised]
-    extra = () if root is None else (check_rank(root, comm, what),)
-    recorded = grad_flag(tensor)
-    if equal:
-        check_out(out, recorded, what, _resized(tensor.shape, normalised, length * comm.size), tensor.dtype)
-        return signature(tensor, recorded, dim, *extra), (normalised, length, None)
-    known = None if sizes is None else check_sizes(sizes, comm.size, what)
-    if known is not None and known[comm.rank] != length:
-        raise ValueError(
-            f"{what}: sizes[{comm.rank}]={known[comm.rank]}, but this rank's tensor has length {length} along "
-            f"dim {normalised}; pass the same sizes on every rank, sizes[r] being rank r's length."
-        )
-    listed = (-1,) if known is None else (len(known), *known)
-    return signature(tensor, recorded, dim, *extra, *listed, skip_dim=normalised), (normalised, length, known)
-
-
 def _prepare_along(
     what: str,
     tensor: torch.Tensor,
@@ -206,8 +177,27 @@ def _prepare_along(
     The v-variants without ``sizes`` learn the lengths with one small allgather, which also reports a problem
     when validation is off.
     """
-    result, problem = attempt(_along_arguments, what, tensor, dim, comm, sizes, equal, root, out)
-    local, (normalised, length, known) = result if problem is None else ((), (0, -1, None))
+
+    def local_checks() -> tuple[tuple, int, int, list[int] | None]:
+        """The signature all ranks must share, the normalised dim, this rank's length along it, the sizes given."""
+        normalised = check_along(tensor, dim, what)
+        length = tensor.shape[normalised]
+        extra = () if root is None else (check_rank(root, comm, what),)
+        recorded = grad_flag(tensor)
+        if equal:
+            check_out(out, recorded, what, _resized(tensor.shape, normalised, length * comm.size), tensor.dtype)
+            return signature(tensor, recorded, dim, *extra), normalised, length, None
+        known = None if sizes is None else check_sizes(sizes, comm.size, what)
+        if known is not None and known[comm.rank] != length:
+            raise ValueError(
+                f"{what}: sizes[{comm.rank}]={known[comm.rank]}, but this rank's tensor has length {length} along "
+                f"dim {normalised}; pass the same sizes on every rank, sizes[r] being rank r's length."
+            )
+        listed = (-1,) if known is None else (len(known), *known)
+        return signature(tensor, recorded, dim, *extra, *listed, skip_dim=normalised), normalised, length, known
+
+    result, problem = attempt(local_checks)
+    local, normalised, length, known = result if problem is None else ((), 0, -1, None)
     exchanged = not equal and sizes is None
     agree(comm, what, local, describe, problem, deferred=exchanged)
     if not exchanged:
@@ -403,6 +393,10 @@ def scatter(
             read, gets no gradient, and is linked into the graph when its requires_grad matches the root's).
         device: where non-root ranks put their block (default: their tensor's device, else the CPU).
 
+    Errors: the root checks its tensor, ``dim`` and the block sizes before it sends the header; with validation
+    on that header travels in the allreduce that checks every rank's arguments (root, dim, ``device``), so a
+    mistake on any rank, or ranks that disagree on the root, raise on every rank before anything is sent.
+
     Backward: every rank's cotangent is gathered to the root's input; the other ranks' inputs get none. Every rank
     must run this backward: ``loss.backward()`` does; ``torch.autograd.grad(loss, inputs)`` skips nodes that do not
     lead to ``inputs``, so there a non-root passes a tensor on the path to its inputs (or anything derived from them).
@@ -421,8 +415,8 @@ def scatter_v(
 ) -> torch.Tensor:
     """:func:`scatter` with blocks of ``sizes`` along ``dim`` (rank r gets ``sizes[r]``, which may be 0).
 
-    ``sizes`` is read on the root only and sent with the header (default: as even as possible, the first blocks
-    one longer, like ``torch.tensor_split``); it must add up to the root's length along ``dim``.
+    ``sizes`` is read and checked on the root only, and sent after the header (default: as even as possible, the
+    first blocks one longer, like ``torch.tensor_split``); it must add up to the root's length along ``dim``.
     """
     return _scatter("scatter_v", tensor, root, dim, comm, sizes, device, equal=False)
 

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from mpistrategy.comm.buffers import DTYPE_CODES, check_dtype, check_tensor
 from mpistrategy.comm.checks import agree, agreeing, alone, grad_flag
 from mpistrategy.comm.communicator import Communicator
-from mpistrategy.comm.errors import CommunicationError
+from mpistrategy.comm.errors import CommunicationError, with_note
 
 MAX_DIMS = 12
 HEADER_LENGTH = 3 + MAX_DIMS
@@ -135,7 +135,7 @@ def exchange_meta(
         buffer = bytearray(_HEADER_BYTES)
     comm.forward.Bcast([buffer, MPI.BYTE], root=root)
     if problem is not None:
-        raise problem
+        raise with_note(problem, f"{what} raised this on the root, rank {root}; its header told every other rank.")
     if buffer == _FAILED:
         raise CommunicationError(
             f"{what}: the root rank {root} failed its argument checks (see the error raised there); nothing was sent."
