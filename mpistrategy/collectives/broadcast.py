@@ -128,5 +128,6 @@ def _broadcast_arguments(
         check_out(out, False, "broadcast")
         return None, receive_device(tensor, device, "broadcast")
     header = header_of(tensor, root, "broadcast")
-    check_out(out, grad_flag(tensor), "broadcast", tensor.shape, tensor.dtype)
+    if out is not None:
+        check_out(out, grad_flag(tensor), "broadcast", None if out is tensor else tensor.shape, tensor.dtype)
     return header, tensor.device

@@ -181,12 +181,16 @@ def _prepare_along(
     def local_checks() -> tuple[tuple, int, int, list[int] | None]:
         """The signature all ranks must share, the normalised dim, this rank's length along it, the sizes given."""
         normalised = check_along(tensor, dim, what)
-        length = tensor.shape[normalised]
+        shape, dtype = tensor.shape, tensor.dtype
+        length = shape[normalised]
         extra = () if root is None else (check_rank(root, comm, what),)
         recorded = grad_flag(tensor)
         if equal:
-            check_out(out, recorded, what, _resized(tensor.shape, normalised, length * comm.size), tensor.dtype)
-            return signature(tensor, recorded, dim, *extra), normalised, length, None
+            if out is not None:
+                gathered = list(shape)
+                gathered[normalised] *= comm.size
+                check_out(out, recorded, what, torch.Size(gathered), dtype)
+            return (dtype, shape, recorded, dim, *extra), normalised, length, None  # signature(), built inline
         known = None if sizes is None else check_sizes(sizes, comm.size, what)
         if known is not None and known[comm.rank] != length:
             raise ValueError(

@@ -134,8 +134,10 @@ def _allreduce_arguments(
     """This rank's checks of an allreduce: the signature all ranks must share, and whether autograd records it."""
     _check_reduction(tensor, op, what, refusal)
     recorded = grad_flag(tensor)
-    check_out(out, recorded, what, tensor.shape, tensor.dtype)
-    return signature(tensor, _OP_CODES[op], recorded), recorded
+    dtype, shape = tensor.dtype, tensor.shape
+    if out is not None:
+        check_out(out, recorded, what, None if out is tensor else shape, dtype)
+    return (dtype, shape, _OP_CODES[op], recorded), recorded  # signature(tensor, op, recorded), built inline
 
 
 def allreduce(

@@ -266,7 +266,7 @@ def check_out(
             f"{what}: out= is only allowed outside autograd (under torch.no_grad() or for inputs that do not "
             "require grad); drop out= to get a differentiable result."
         )
-    if shape is not None and (out.dtype != dtype or tuple(out.shape) != tuple(shape)):
+    if shape is not None and (out.dtype != dtype or out.shape != shape):
         raise _out_mismatch(out, shape, dtype, what)
 
 

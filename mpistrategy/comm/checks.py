@@ -162,8 +162,11 @@ def checked(
     """Run ``check(*args)``, this rank's local checks of an op's arguments, which return ``(signature, value)``;
     then :func:`agree` on the signature across ranks and return ``value``. A check that fails on any rank raises
     on every rank (see :func:`agree`); ``describe`` names what the signature holds, for the error."""
-    result, problem = attempt(check, *args)
-    local, value = result if problem is None else ((), None)
+    problem = None
+    try:  # as attempt() does, without its call: this is every op's hot path
+        local, value = check(*args)
+    except Exception as error:
+        local, value, problem = (), None, error
     agree(comm, what, local, describe, problem)
     return value
 
