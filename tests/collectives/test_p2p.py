@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import mpistrategy as ms
-from mpistrategy import Placeholder
+from mpistrategy import CommunicationError, Placeholder
 from mpistrategy.collectives import p2p
 from mpistrategy.comm.buffers import DTYPE_CODES
 from tests.adjoint import assert_adjoint, random_like_rank, rank, rank_generator, size
@@ -301,10 +301,11 @@ def test_wrapped_subcommunicator():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Errors: local, raised before any communication, so the other ranks never wait
+# Errors. A bad peer or tag raises on its rank before anything is sent (there is no peer to tell); a sender whose
+# other checks fail sends its dst a failure notice in place of the message, which the matching receive raises.
 
 
-def bad_calls(x: torch.Tensor) -> list[tuple[type[Exception], str, Callable[[], object]]]:
+def unaddressed_calls(x: torch.Tensor) -> list[tuple[type[Exception], str, Callable[[], object]]]:
     ub = COMM.Get_attr(MPI.TAG_UB)
     return [
         (ValueError, rf"dst={size()} is not a rank .* between 0 and {size() - 1}", lambda: ms.send(x, size())),
@@ -312,36 +313,55 @@ def bad_calls(x: torch.Tensor) -> list[tuple[type[Exception], str, Callable[[], 
         (ValueError, r"src=7\.0 is not a rank", lambda: ms.recv(7.0)),
         (ValueError, r"src=MPI.ANY_SOURCE is not supported", lambda: ms.recv(MPI.ANY_SOURCE)),
         (ValueError, r"src=MPI.ANY_SOURCE is not supported", lambda: ms.irecv(MPI.ANY_SOURCE)),
-        (ValueError, r"src=.* is not a rank", lambda: ms.sendrecv(x, right(), size() + 3)),
         (ValueError, rf"dst={rank()} is this rank itself.*sendrecv", lambda: ms.send(x, rank())),
         (ValueError, rf"src={rank()} is this rank itself", lambda: ms.recv(rank())),
         (ValueError, rf"tag=-1 is not a valid tag; pass an int between 0 and {ub}", lambda: ms.send(x, right(), -1)),
         (ValueError, r"tag=.* is not a valid tag", lambda: ms.irecv(left(), tag=ub + 1)),
         (ValueError, r"tag=.* is not a valid tag", lambda: ms.recv(left(), tag=MPI.ANY_TAG)),
         (ValueError, r"tag=1\.5 is not a valid tag", lambda: ms.sendrecv(x, right(), left(), tag=1.5)),
-        (TypeError, r"send: expected a torch.Tensor", lambda: ms.send([1.0, 2.0], right())),
-        (TypeError, r"cannot be communicated", lambda: ms.send(torch.zeros(2, dtype=torch.uint16), right())),
-        (ValueError, r"more than 12 dimensions", lambda: ms.isend(torch.zeros((1,) * 13), right())),
     ]
 
 
-def test_errors_raise_on_every_rank_before_communicating():
+def failed_sends(x: torch.Tensor) -> list[tuple[type[Exception], str, Callable[[], object]]]:
+    """Sends to ``right()`` (tag 0) whose checks fail; each leaves a failure notice for it."""
+    return [
+        (TypeError, r"send: expected a torch.Tensor", lambda: ms.send([1.0, 2.0], right())),
+        (TypeError, r"cannot be communicated", lambda: ms.send(torch.zeros(2, dtype=torch.uint16), right())),
+        (ValueError, r"more than 12 dimensions", lambda: ms.isend(torch.zeros((1,) * 13), right())),
+        (ValueError, r"meta device", lambda: ms.isend(torch.zeros(2, device="meta"), right())),
+        (ValueError, rf"src={size() + 3} is not a rank", lambda: ms.sendrecv(x, right(), size() + 3)),
+    ]
+
+
+def test_errors_raise_on_every_rank_and_failed_sends_tell_their_receivers():
     x = torch.ones(3, requires_grad=True)
-    for error, pattern, call in bad_calls(x):
+    for error, pattern, call in unaddressed_calls(x):
         with pytest.raises(error, match=pattern):
             call()
+    assert not p2p._arriving
+    for error, pattern, call in failed_sends(x):
+        with pytest.raises(error, match=pattern) as caught:
+            call()
+        assert f"rank {right()}, its peer, raises too" in "".join(getattr(caught.value, "__notes__", []))
+        with pytest.raises(CommunicationError, match=rf"recv: rank {left()} failed the checks .*{pattern}"):
+            ms.recv(left())
     assert not p2p._arriving
 
 
 @pytest.mark.parametrize("culprit", [0, -1])
 def test_errors_on_one_rank_do_not_hang_the_others(culprit):
-    """Only one rank makes the bad calls; it then takes part in a normal exchange, whose message numbers and
-    queues must be intact (a failed call consumes no message number and leaves no queued receive)."""
+    """Only one rank makes the bad calls (its right neighbour receives the failure notices); all then take part in
+    a normal exchange, whose message numbers and queues must be intact (a failed call consumes no message number
+    and leaves no queued receive)."""
     x = torch.arange(3.0, requires_grad=True)
     if rank() == culprit % size():
-        for error, pattern, call in bad_calls(x):
+        for error, pattern, call in unaddressed_calls(x) + failed_sends(x):
             with pytest.raises(error, match=pattern):
                 call()
+    elif left() == culprit % size():
+        for _ in failed_sends(x):
+            with pytest.raises(CommunicationError, match=f"rank {left()} failed the checks"):
+                ms.irecv(left()).wait()
     y = ms.sendrecv(x * (1 + rank()), right(), left(), tag=8)
     assert torch.equal(y, torch.arange(3.0) * (1 + left()))
     (y * (1 + rank())).sum().backward()
