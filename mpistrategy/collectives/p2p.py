@@ -47,7 +47,9 @@ failure notice instead of the message and raises; the receive that matches it, w
 raises a :class:`CommunicationError` naming the op, the sender and its error, so neither rank waits and the next
 message pairs as it should. ``sendrecv`` also takes and drops the message its ``src`` sends it. An invalid
 ``dst`` or ``tag`` raises on the sender only, and an invalid ``src`` or ``tag`` on the receiver only: there is
-no peer to tell, and a peer that sends to (or waits for) that rank waits until the job ends.
+no peer to tell. A peer waiting for that sender's message then waits until the job ends, and a message sent to
+that receiver stays queued (a blocking send of a large one waits) until its next receive from that sender with
+that tag takes it.
 
 Self messages. ``send``/``recv`` with the own rank raise (a blocking send to oneself waits forever);
 ``sendrecv(x, dst=rank, src=rank)``, ``isend``/``irecv`` to and from the own rank work.
