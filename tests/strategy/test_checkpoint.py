@@ -147,9 +147,8 @@ class SignalAt(L.Callback):
 def _shuffled_loader() -> DataLoader:
     samples = SIZE * BATCH * BATCHES_PER_EPOCH
     g = torch.Generator().manual_seed(5)
-    data = TensorDataset(
-        torch.randn(samples, 6, generator=g, dtype=torch.float64), torch.randn(samples, 2, generator=g, dtype=torch.float64)
-    )
+    x = torch.randn(samples, 6, generator=g, dtype=torch.float64)
+    data = TensorDataset(x, torch.randn(samples, 2, generator=g, dtype=torch.float64))
     return DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
@@ -270,7 +269,8 @@ def test_resumable_loader_on_another_number_of_ranks_restarts_the_epoch_with_a_w
 def test_only_loaders_with_a_distributed_order_become_resumable() -> None:
     dataset = TensorDataset(torch.arange(10))
     assert make_resumable(DataLoader(dataset, batch_size=2, shuffle=True), lambda: None) is None
-    assert make_resumable(DataLoader(dataset, batch_size=None, sampler=DistributedSampler(dataset, 2, 0)), print) is None
+    unbatched = DataLoader(dataset, batch_size=None, sampler=DistributedSampler(dataset, 2, 0))
+    assert make_resumable(unbatched, lambda: None) is None
     assert make_resumable(_sharded_loader(2, 0), lambda: None) is not None
 
 
