@@ -63,12 +63,15 @@ class FitTimer(Callback):
         self.fit_seconds = time.perf_counter() - self._fit_start
 
     def stats(self) -> dict[str, float]:
-        return {
+        """This process's timing; the throughput only when it trained (a rerun of a finished run trains nothing)."""
+        stats = {
             "fit_seconds": round(self.fit_seconds, 3),
             "train_seconds": round(self.train_seconds, 3),
             "train_samples": self.samples,
-            "samples_per_second": round(self.samples / self.train_seconds, 1) if self.train_seconds else 0.0,
         }
+        if self.samples and self.train_seconds:
+            stats["samples_per_second"] = round(self.samples / self.train_seconds, 1)
+        return stats
 
 
 def _signal_number(name: str | int) -> int:
