@@ -20,9 +20,9 @@ This class only overrides Lightning's hooks and delegates:
 
 Checkpoints (:mod:`~mpistrategy.strategy.checkpoints`): rank 0 writes them atomically, sealed with a SHA-256;
 every rank verifies and reads them and the ranks agree on the outcome, so a corrupt file stops every rank with an
-error naming it. They carry the aggregator's state and every rank's random state. The training dataloader is made
-resumable (:mod:`~mpistrategy.strategy.resumable`): after a stop checkpoint, training continues with the batch after
-the last one trained, with the random state of that moment, exactly as if it had not stopped.
+error naming it. They carry the sync mode's and aggregator's state and every rank's random state. The training
+dataloader is made resumable (:mod:`~mpistrategy.strategy.resumable`): after a stop checkpoint, training continues
+with the batch after the last one trained, with the random state of that moment, exactly as if it had not stopped.
 """
 
 from __future__ import annotations
