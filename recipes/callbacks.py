@@ -2,9 +2,10 @@
 
 Preemption: SLURM sends a signal a set time before the time limit (``#SBATCH --signal=USR1@120``); handlers only
 set a flag. At the next step boundary all ranks agree (a max-reduction of the flags, so a rank that got the signal
-later still stops in the same step), save one checkpoint (rank 0 writes), stop, and rank 0 runs
-``scontrol requeue $SLURM_JOB_ID``. The requeued job gets the same job id, hence the same run dir
-(``slurm-<job id>``), and ``recipes.train`` resumes from that checkpoint.
+later still stops in the same step), save one checkpoint (rank 0 writes), stop (every rank exits with code 75,
+:data:`mpistrategy.strategy.failures.STOPPED_EXIT_CODE`), and rank 0 asks for ``scontrol requeue $SLURM_JOB_ID``.
+The requeued job gets the same job id, hence the same run dir (``slurm-<job id>``), and ``recipes.train`` resumes
+from that checkpoint (with ``strategy=mpi_ad``: exactly where it stopped, see :mod:`mpistrategy.strategy.resumable`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from mpistrategy.strategy import failures
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +63,15 @@ class FitTimer(Callback):
         self.fit_seconds = time.perf_counter() - self._fit_start
 
     def stats(self) -> dict[str, float]:
-        return {
+        """This process's timing; the throughput only when it trained (a rerun of a finished run trains nothing)."""
+        stats = {
             "fit_seconds": round(self.fit_seconds, 3),
             "train_seconds": round(self.train_seconds, 3),
             "train_samples": self.samples,
-            "samples_per_second": round(self.samples / self.train_seconds, 1) if self.train_seconds else 0.0,
         }
+        if self.samples and self.train_seconds:
+            stats["samples_per_second"] = round(self.samples / self.train_seconds, 1)
+        return stats
 
 
 def _signal_number(name: str | int) -> int:
@@ -82,7 +89,9 @@ class Preemption(Callback):
     then only decides, on every rank together, whether the signal was ``signal`` (not an ``scancel``'s SIGTERM) and
     has rank 0 request the requeue. With another strategy it does all of it itself: its own handler, a
     max-reduction of the flags at each step boundary, the same ``hpc_ckpt_<n>.ckpt``, then the same stop exception
-    on every rank (``recipes.train`` treats it as a clean stop).
+    on every rank (``recipes.train`` treats it as a clean stop). That checkpoint is written after the step, but the
+    run only resumes exactly with mpi_ad's resumable dataloader; other strategies re-read the interrupted epoch
+    from its start, as Lightning does.
 
     Args:
         signal: the signal SLURM sends before the limit (``#SBATCH --signal=USR1@<seconds>``).
@@ -120,7 +129,7 @@ class Preemption(Callback):
 
     # -- the strategy stopped every rank (mpi_ad) ----------------------------------------------------------------
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not self.delegated or not _is_coordinated_stop(exception):
+        if not self.delegated or not failures.is_coordinated_stop(exception):
             return  # a real failure: the strategy aborts every rank; no collective here
         stop = getattr(trainer.strategy, "_stop", None)
         mine = int(getattr(stop, "received", 0) or 0) == self.signum
@@ -159,19 +168,7 @@ class Preemption(Callback):
             self.requeued = requeue_slurm_job()
         # Stop now, on every rank (they decided together), as mpi_ad does: no further validation or checkpoint
         # after this one, so the run resumes exactly here.
-        raise _coordinated_stop_exception()
-
-
-def _coordinated_stop_exception() -> BaseException:
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    error = SIGTERMException()
-    error._mpistrategy_coordinated_stop = True  # type: ignore[attr-defined]  (mpistrategy.strategy.failures)
-    return error
-
-
-def _is_coordinated_stop(exception: BaseException) -> bool:
-    return bool(getattr(exception, "_mpistrategy_coordinated_stop", False))
+        raise failures.mark_coordinated_stop(SIGTERMException(failures.STOPPED_EXIT_CODE))
 
 
 def _latest_hpc_checkpoint(folder: str | os.PathLike) -> str | None:

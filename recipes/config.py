@@ -317,6 +317,7 @@ class ModelCheckpointConf:
     every_n_epochs: int | None = 1
     auto_insert_metric_name: bool = False
     save_on_train_epoch_end: bool | None = None
+    enable_version_counter: bool = True
 
 
 @dataclass

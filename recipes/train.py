@@ -9,9 +9,13 @@
 MPI safety (see recipes/hydra_mpi.py): before Hydra composes, rank 0 decides the run id and broadcasts it, so all
 ranks use one run dir; only rank 0 writes ``.hydra/``, the log, checkpoints, metrics, the summary and plots; sweeps
 run the same points in the same order on every rank. A failure while building is agreed on by all ranks (rank 0
-reports it, or the rank that alone had it; every rank exits), and so is a setup error that every rank raises
-together (a sync mode the layout cannot run); any other failure during training aborts the MPI job instead of
-leaving the other ranks blocked in a collective.
+reports it, or the rank that alone had it; every rank exits 1): a configuration error, the same on every rank, is
+printed once, by rank 0. So is a setup error that every rank raises together (a sync mode the layout cannot run, a
+corrupt checkpoint); any other failure during training aborts the MPI job (the failing rank prints its traceback
+once) instead of leaving the other ranks blocked in a collective.
+
+Exit codes: 0 finished; 75 stopped by SIGUSR1/SIGTERM after a checkpoint (run the same command in the same run dir
+to resume; :data:`mpistrategy.strategy.failures.STOPPED_EXIT_CODE`); 1 failed.
 """
 
 from __future__ import annotations
@@ -39,15 +43,6 @@ register_configs()
 
 class _BuildFailed(RuntimeError):
     """Building failed on some rank (its error is reported where it happened): report and exit, no abort needed."""
-
-
-def _abort(exc: BaseException) -> None:
-    """Print this rank's traceback and abort the whole MPI job (other ranks may be inside a collective)."""
-    r = hydra_mpi.rank()
-    sys.stderr.write(f"[rank {r}] training failed, aborting the MPI job:\n")
-    sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    sys.stderr.flush()
-    hydra_mpi.comm().Abort(1)
 
 
 def _failed_ranks(ok: bool) -> list[int]:
@@ -124,6 +119,7 @@ def train(cfg: DictConfig) -> float | None:
     from lightning.pytorch.utilities import rank_zero_only
 
     import mpistrategy  # noqa: F401  (registers strategy="mpi_ad"; wraps MPI.COMM_WORLD)
+    from mpistrategy.strategy import failures
     from recipes.builders import build_run
     from recipes.summary import bytes_sent, summarize_run
 
@@ -166,10 +162,10 @@ def train(cfg: DictConfig) -> float | None:
         if cfg.test:
             run.trainer.test(run.model, datamodule=run.datamodule)
     except BaseException as exc:
-        if _coordinated_stop(exc):
-            return _stopped(run, exc)
-        if hydra_mpi.size() > 1 and isinstance(exc, Exception) and not _raised_on_every_rank(exc):
-            _abort(exc)
+        if failures.is_coordinated_stop(exc):
+            _log_stop(run)
+        elif isinstance(exc, Exception) and not failures.raised_on_every_rank(exc):
+            failures.abort(exc)  # other ranks may be inside a collective; returns only with one rank
         raise
 
     trainer = run.trainer
@@ -203,30 +199,20 @@ def train(cfg: DictConfig) -> float | None:
     return metrics.get(cfg.objective)
 
 
-def _coordinated_stop(exc: BaseException) -> bool:
-    """Every rank stopped together on a stop signal (mpi_ad, or the preemption callback), after a checkpoint."""
-    from mpistrategy.strategy.failures import is_coordinated_stop
+def _log_stop(run: Any) -> None:
+    """Every rank stopped together on a stop signal (mpi_ad, or the preemption callback), after a checkpoint; the
+    stop exception then ends the program with exit code 75."""
+    from mpistrategy.strategy import failures
 
-    return is_coordinated_stop(exc)
-
-
-def _raised_on_every_rank(exc: BaseException) -> bool:
-    """Every rank raises this error together (a setup error all ranks agreed on): each exits, no abort needed."""
-    from mpistrategy.strategy.failures import raised_on_every_rank
-
-    return raised_on_every_rank(exc)
-
-
-def _stopped(run: Any, exc: BaseException) -> None:
     preemption = run.callbacks.get("preemption")
     requeued = bool(preemption is not None and getattr(preemption, "requeued", False))
     log.warning(
-        "all ranks stopped at step %d on a stop signal%s; running the same command in the same run dir resumes "
-        "from the checkpoint",
+        "all ranks stopped at step %d on a stop signal%s; exit code %d: running the same command in the same run "
+        "dir resumes from the checkpoint",
         run.trainer.global_step,
         " (SLURM job requeued)" if requeued else "",
+        failures.STOPPED_EXIT_CODE,
     )
-    return None
 
 
 _hydra_main = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(train)

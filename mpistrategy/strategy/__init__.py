@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
+    "CorruptCheckpointError": "mpistrategy.strategy.checkpoint_files",
     "MPIADStrategy": "mpistrategy.strategy.mpi_ad",
     "MPIEnvironment": "mpistrategy.strategy.environment",
     "GradientReducer": "mpistrategy.strategy.reducer",

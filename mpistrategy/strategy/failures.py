@@ -2,19 +2,27 @@
 
 Abort on exception. When one rank raises, the others are (or soon will be) blocked in a collective that can never
 complete: without intervention the job hangs until the scheduler's time limit. :func:`abort` prints the exception
-with its rank and traceback, flushes, gives the launcher half a second to forward it, and calls
+with its rank and traceback (once), flushes, gives the launcher half a second to forward it, and calls
 ``MPI.COMM_WORLD.Abort(1)``, which makes the launcher (``mpiexec``, ``srun``) kill every rank with a non-zero exit
-code. The strategy calls it from Lightning's ``on_exception`` hook (exceptions inside ``fit``/``validate``/
-``test``/``predict``), and :func:`install_excepthook` covers uncaught exceptions anywhere else in the script. A rank
-killed outright (SIGKILL, out-of-memory) is handled by the launcher itself, which tears the job down when one
-process dies.
+code; the process ends there even if ``Abort`` returns before the launcher has killed it. The strategy calls it from
+Lightning's ``on_exception`` hook (exceptions inside ``fit``/``validate``/``test``/``predict``), and
+:func:`install_excepthook` covers uncaught exceptions anywhere else in the script. An exception that every rank
+raises together, after agreeing on it (:func:`mark_raised_on_every_rank`: a coordinated stop, a corrupt checkpoint,
+a configuration error), is not a reason to abort: every rank reports it and exits by itself.
+
+A rank that ends without an exception: killed outright (SIGKILL, out-of-memory), the launcher tears the job down
+when it sees the process die and names its pid. A rank that calls ``os._exit`` (skipping ``atexit`` and every
+Python handler) says so first: :func:`report_os_exit` makes ``os._exit`` print the rank, the exit code and where
+it was called from, then exit.
 
 Coordinated stop. SIGTERM (preemption, ``scancel``) and SIGUSR1 (SLURM's ``--signal``, forwarded by MPICH's
 ``mpiexec``) may reach the ranks at different times, or only one of them. :class:`StopSignals` only records the
 signal; before each training batch that follows an optimizer step (never inside a gradient accumulation), every
 rank contributes its flag to a max-allreduce, so all ranks decide together, at the same step, to save a checkpoint
 and stop. The allreduce is non-blocking and completed at the next check, so it adds no synchronisation point to
-the step (the stop comes one step after the signal).
+the step (the stop comes one step after the signal). A stopped process exits with :data:`STOPPED_EXIT_CODE` (75,
+``EX_TEMPFAIL`` of sysexits.h, "temporary failure, try again later"), so a batch script can tell "stopped after a
+checkpoint, resume me" (75) from "finished" (0) and "failed" (anything else).
 """
 
 from __future__ import annotations
@@ -35,8 +43,13 @@ from mpi4py import MPI
 # without a pause the traceback just written could be lost (seen once in ~40 runs of the failure tests).
 _OUTPUT_GRACE_SECONDS = 0.5
 
+#: The exit code of a process stopped by a coordinated stop (after its checkpoint): EX_TEMPFAIL, "try again later".
+STOPPED_EXIT_CODE = 75
+
 _excepthook_installed = False
+_os_exit_reported = False
 _abort_lock = threading.Lock()
+_exit_process = os._exit
 
 
 def _world() -> tuple[int, int]:
@@ -52,7 +65,7 @@ def format_failure(error: BaseException, tb: TracebackType | None = None) -> str
 
 
 def abort(error: BaseException, tb: TracebackType | None = None, code: int = 1) -> None:
-    """Print ``error`` with its rank and traceback to stderr, flush, and abort every rank of the job.
+    """Print ``error`` with its rank and traceback to stderr, flush, and abort every rank of the job; never returns.
 
     Returns without aborting in a world of one process (nothing can hang; the exception propagates as usual).
     """
@@ -60,17 +73,24 @@ def abort(error: BaseException, tb: TracebackType | None = None, code: int = 1) 
     if size == 1:
         return
     with _abort_lock:
-        try:
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - a broken stdout must not prevent the abort
-            pass
-        try:
-            sys.stderr.write(format_failure(error, tb))
-            sys.stderr.flush()
-        except Exception:  # noqa: BLE001
-            pass
+        _write_stderr(format_failure(error, tb))
         time.sleep(_OUTPUT_GRACE_SECONDS)
         MPI.COMM_WORLD.Abort(code)
+        # MPICH's MPI_Abort can return before the launcher kills this process: end it here, or the caller would
+        # go on (and print the same traceback again).
+        _exit_process(code)
+
+
+def _write_stderr(text: str) -> None:
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - a broken stdout must not prevent the report
+        pass
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def install_excepthook() -> None:
@@ -81,15 +101,39 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        if isinstance(error, SystemExit) and error.code in (None, 0):
-            previous(kind, error, tb)
-            return
         if not raised_on_every_rank(error):
-            abort(error, tb)
+            abort(error, tb)  # does not return with more than one rank
         previous(kind, error, tb)
 
     sys.excepthook = hook
     _excepthook_installed = True
+
+
+def report_os_exit() -> None:
+    """Make ``os._exit`` in this process print, to stderr, which rank calls it with which code and from where,
+    before the process ends (the launcher then ends every rank, knowing only a pid). Idempotent.
+
+    Only the process that installed it reports (a forked child, such as a DataLoader worker, exits silently as
+    before), and only while MPI is running with more than one rank.
+    """
+    global _os_exit_reported
+    if _os_exit_reported:
+        return
+    installer = os.getpid()
+
+    def reporting_exit(code: int) -> None:
+        if os.getpid() == installer and MPI.Is_initialized() and not MPI.Is_finalized():
+            rank, size = _world()
+            if size > 1:
+                where = "".join(traceback.format_stack()[:-1])
+                _write_stderr(
+                    f"[mpistrategy] rank {rank} of {size} (pid {installer}) exited with code {code} through "
+                    f"os._exit before the job finished; the launcher ends the other ranks. Called from:\n{where}"
+                )
+        _exit_process(code)
+
+    os._exit = reporting_exit
+    _os_exit_reported = True
 
 
 def is_coordinated_stop(error: BaseException) -> bool:
@@ -110,8 +154,9 @@ def mark_raised_on_every_rank(error: BaseException) -> BaseException:
 
 
 def mark_coordinated_stop(error: BaseException) -> BaseException:
+    """Mark ``error`` (a ``SIGTERMException(STOPPED_EXIT_CODE)``) as the coordinated stop every rank raises."""
     error._mpistrategy_coordinated_stop = True  # type: ignore[attr-defined]
-    return error
+    return mark_raised_on_every_rank(error)
 
 
 class StopSignals:

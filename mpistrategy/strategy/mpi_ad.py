@@ -18,14 +18,18 @@ This class only overrides Lightning's hooks and delegates:
 - ``sync_batchnorm=True``: :class:`mpistrategy.nn.SyncBatchNorm`, built on the differentiable allreduce;
 - failures and stop signals: :mod:`~mpistrategy.strategy.failures`.
 
-Checkpoints are written by rank 0 atomically (temporary file, then ``os.replace``) and read by every rank (rank 0
-reads and broadcasts when some rank cannot see the file). The aggregator's state is stored in the checkpoint under
-``"mpistrategy"``.
+Checkpoints (:mod:`~mpistrategy.strategy.checkpoints`): rank 0 writes them atomically, sealed with a SHA-256;
+every rank verifies and reads them and the ranks agree on the outcome, so a corrupt file stops every rank with an
+error naming it. They carry the sync mode's and aggregator's state and every rank's random state. The training
+dataloader is made resumable (:mod:`~mpistrategy.strategy.resumable`): after a stop checkpoint, training continues
+with the batch after the last one trained, with the random state of that moment, exactly as if it had not stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import signal
@@ -41,17 +45,18 @@ from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.comm.communicator import world
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
-from mpistrategy.strategy import failures, sync
+from mpistrategy.strategy import checkpoints, failures, random_state, sync
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.environment import MPIEnvironment
 from mpistrategy.strategy.framework import LIGHTNING, framework
 from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.strategy.resumable import make_resumable
 from mpistrategy.sync import SyncMode, build_sync
 from mpistrategy.sync.transport import NODE_TRANSPORTS
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "mpistrategy"
+CHECKPOINT_KEY = checkpoints.KEY
 _DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -82,12 +87,15 @@ class MPIADStrategyMixin:
             parallelism). ``False`` for a model split across the ranks (tensor or pipeline parallel, where each
             rank's parameters and gradients are its own slice): no broadcast, no gradient reducer; checkpoints,
             metrics, failure handling and stop signals stay as they are.
-        abort_on_exception: abort every rank when one raises (prints the traceback first). Turn off only for a
-            deliberate, identical exception on every rank that the script catches.
-        stop_signals: signals that trigger a coordinated stop (default SIGTERM and SIGUSR1); ``()`` leaves
-            Lightning's own handling in place.
+        abort_on_exception: abort every rank when one raises (prints the traceback first), and report a rank that
+            ends through ``os._exit``. Turn off only for a deliberate, identical exception on every rank that the
+            script catches.
+        stop_signals: signals that trigger a coordinated stop (default SIGTERM and SIGUSR1): every rank stops before
+            the same batch and ``fit`` raises ``SIGTERMException`` with exit code
+            :data:`~mpistrategy.strategy.failures.STOPPED_EXIT_CODE` (75); ``()`` leaves Lightning's own handling in
+            place.
         checkpoint_on_stop: save a checkpoint (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, which
-            ``fit(ckpt_path="hpc")`` resumes from) before a coordinated stop.
+            ``fit(ckpt_path="hpc")`` resumes from, continuing exactly where it stopped) before a coordinated stop.
         set_num_threads: when ``OMP_NUM_THREADS`` is unset, give each rank ``cpu_count // ranks_per_node``
             torch threads (as Lightning does for the processes it launches).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for any Lightning
@@ -152,8 +160,10 @@ class MPIADStrategyMixin:
         self._epoch: int | None = None
         self._sync_gradients = True
         self._layer_sync_applied: Any = None
+        self._random_state_to_restore: random_state.RandomState | None = None
         if self.abort_on_exception and self.world_size > 1:
             failures.install_excepthook()
+            failures.report_os_exit()
 
     # --------------------------------------------------------------------------------------------- ranks
 
@@ -352,50 +362,28 @@ class MPIADStrategyMixin:
     # -------------------------------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Rank 0 writes ``checkpoint`` atomically (temporary file + ``os.replace`` for local paths)."""
+        """Collective: rank 0 writes ``checkpoint`` atomically, sealed with a SHA-256, with the sync mode's and the
+        aggregator's state and every rank's random state added (see :mod:`~mpistrategy.strategy.checkpoints`)."""
         state = self._engine.state_dict() if self._engine is not None else {}
-        if state:
-            checkpoint[CHECKPOINT_KEY] = state
+        checkpoints.add_state(checkpoint, state, self.topology.control)
         if not self.is_global_zero:
             return
-        path = os.fspath(filepath)
-        local = "://" not in path or path.startswith("file://")
-        if not local or isinstance(self.checkpoint_io, self._fw.AsyncCheckpointIO):
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        path = path.removeprefix("file://")
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-        try:
-            self.checkpoint_io.save_checkpoint(checkpoint, temporary, storage_options=storage_options)
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        save = functools.partial(self.checkpoint_io.save_checkpoint, storage_options=storage_options)
+        checkpoints.write(checkpoint, filepath, save, isinstance(self.checkpoint_io, self._fw.AsyncCheckpointIO))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Every rank reads the checkpoint; if some rank cannot see the file, rank 0 reads it and broadcasts it."""
-        path = os.fspath(checkpoint_path)
-        visible = "://" in path or os.path.exists(path)
-        control = self.topology.control
-        from mpi4py import MPI
-
-        if self.world_size == 1 or control.allreduce(visible, op=MPI.LAND):
-            checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        else:
-            loaded = (
-                self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-                if self.is_global_zero
-                else None
-            )
-            checkpoint = control.bcast(loaded, root=0)
+        """Collective: every rank verifies and reads the checkpoint (rank 0 reads and broadcasts it if some rank
+        cannot see the file); a corrupt file raises :class:`~mpistrategy.strategy.checkpoint_files.
+        CorruptCheckpointError` on every rank."""
+        load = functools.partial(self.checkpoint_io.load_checkpoint, weights_only=weights_only)
+        checkpoint = checkpoints.read(checkpoint_path, load, self.topology.control)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state:
             if self._engine is not None:
                 self._engine.load_state_dict(state)
             else:
                 self._engine_state = state
+        self._random_state_to_restore = checkpoints.random_state_of(checkpoint, self.global_rank, self.world_size)
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -405,13 +393,26 @@ class MPIADStrategyMixin:
         if state and self._engine is not None:
             self._engine.restore_replica(state)
 
+    # -------------------------------------------------------------------------------------- dataloaders
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training dataloader of ``fit`` becomes a :class:`~mpistrategy.strategy.resumable.ResumableLoader`
+        when its order can be resumed (Lightning's ``DistributedSampler``); other dataloaders are unchanged."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None or trainer.state.fn != self._fw.TrainerFn.FITTING or not trainer.training:
+            return dataloader
+        if "dataloader_iter" in inspect.signature(module.training_step).parameters:
+            return dataloader  # the step pulls its batches itself: no place before each fetch
+        resumable = make_resumable(dataloader, self._before_training_batch)
+        return dataloader if resumable is None else resumable
+
     # -------------------------------------------------------------------------------------- failures
 
     def on_exception(self, exception: BaseException) -> None:
         """Abort every rank (after printing the traceback) unless every rank raises the exception together (a
-        coordinated stop, or a configuration error all ranks agreed on)."""
-        stop = failures.is_coordinated_stop(exception) or failures.raised_on_every_rank(exception)
-        if stop or not self.abort_on_exception:
+        coordinated stop, a corrupt checkpoint, or a configuration error all ranks agreed on)."""
+        if failures.raised_on_every_rank(exception) or not self.abort_on_exception:
             return
         failures.abort(exception)
 
@@ -424,10 +425,19 @@ class MPIADStrategyMixin:
             self._checked_step = -1
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each batch: the sync mode's epoch boundaries; after an optimizer step happened: the coordinated
-        stop check (every rank)."""
+        """Before each batch: the sync mode's epoch boundaries; then, for a training dataloader that is not
+        resumable (its batch is fetched already), :meth:`_before_training_batch`."""
         if self._engine is not None and self.lightning_module is not None:
             self._track_epoch(self.lightning_module.trainer)
+        self._before_training_batch()
+
+    def _before_training_batch(self) -> None:
+        """Before a training batch is fetched (resumable dataloaders) or used (others), on every rank: the first
+        time after a resume, restore this rank's random state; after an optimizer step, the coordinated stop
+        check."""
+        if self._random_state_to_restore is not None:
+            random_state.restore(self._random_state_to_restore)
+            self._random_state_to_restore = None
         if self._stop is not None and self.lightning_module is not None:
             trainer = self.lightning_module.trainer
             if trainer.global_step != self._checked_step:
@@ -466,7 +476,8 @@ class MPIADStrategyMixin:
         """Between two optimizer steps, on every rank: stop together if any rank received a stop signal.
 
         Called before a batch when the global step moved since the last check (so never in the middle of a
-        gradient accumulation, and the same on every rank). The decision lags one check behind the signal.
+        gradient accumulation, and the same on every rank). The decision lags one check behind the signal. The
+        checkpoint (with the random state of this moment) resumes with the batch about to be fetched.
         """
         assert self._stop is not None
         signum = self._stop.decide()
@@ -480,11 +491,12 @@ class MPIADStrategyMixin:
         if self.is_global_zero:
             saved = f", checkpoint saved to {path}" if path else ""
             log.warning(f"mpi_ad: {name} received; all ranks stop at global step {trainer.global_step}{saved}.")
-        raise failures.mark_coordinated_stop(self._fw.SIGTERMException())
+        raise failures.mark_coordinated_stop(self._fw.SIGTERMException(failures.STOPPED_EXIT_CODE))
 
     # -------------------------------------------------------------------------------------- teardown
 
     def teardown(self) -> None:
+        self._random_state_to_restore = None
         if self._engine is not None:
             self._engine.teardown()
             self._engine = None

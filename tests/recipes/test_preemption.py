@@ -1,8 +1,10 @@
-"""A stop signal mid-epoch: checkpoint, stop, and a rerun in the same run dir resumes to the same step count.
+"""A stop signal mid-epoch through ``recipes.train.train`` (what ``mpistrategy-train`` runs on every rank): checkpoint,
+exit code 75, and the rerun in the same run dir ends with exactly the parameters and optimizer state of an
+uninterrupted run; rerunning a finished run trains nothing.
 
-In one process, through ``recipes.train.train`` (what Hydra calls): with ``strategy=mpi_ad`` the strategy stops
-and checkpoints and the preemption callback only decides about the requeue; with ``strategy=auto`` the callback
-does it all. The SLURM requeue itself is tested in tests/slurm.
+With ``strategy=mpi_ad`` the strategy stops and checkpoints and the preemption callback only decides about the
+requeue; with ``strategy=auto`` (one process) the callback does it all, and Lightning's plain loader re-reads the
+interrupted epoch, so only the recovery itself is checked there. The SLURM requeue is tested in tests/slurm.
 """
 
 from __future__ import annotations
@@ -12,25 +14,28 @@ import json
 import math
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import recipes.hydra_mpi  # noqa: F401
+from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
 from recipes.config import register_configs
 from recipes.train import CONFIG_DIR, train
 
 
 class SignalAt(L.Callback):
-    """Sends ``signal`` to this process once, at the end of training step ``step``."""
+    """Sends ``signal`` to this process once, at the end of training step ``step``, on rank ``rank`` only."""
 
-    def __init__(self, step: int, signal: str = "SIGUSR1") -> None:
-        self.step, self.signum, self.fired = step, int(getattr(signal_module(), signal)), False
+    def __init__(self, step: int, signal: str = "SIGUSR1", rank: int = 0) -> None:
+        self.step, self.signum, self.rank, self.fired = step, int(getattr(signal_module(), signal)), rank, False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self.fired and trainer.global_step == self.step:
+        if not self.fired and trainer.global_step == self.step and trainer.global_rank == self.rank:
             self.fired = True
             os.kill(os.getpid(), self.signum)
 
@@ -55,16 +60,69 @@ def _cfg(run_dir: Path, strategy: str, extra: list[str]):
         return compose("config", overrides=overrides)
 
 
-@pytest.mark.parametrize("strategy", ["mpi_ad", "auto"])
-def test_a_stop_signal_mid_epoch_checkpoints_and_the_rerun_resumes_to_the_same_step_count(
-    strategy: str, tmp_path: Path
-) -> None:
-    kill = "+callbacks.kill={_target_: tests.recipes.test_preemption.SignalAt, step: 30}"
-    assert train(_cfg(tmp_path, strategy, [kill])) is None  # stopped: no objective
+def _stop_with(signal_name: str, rank: int, step: int = 30) -> str:
+    """The override that adds a :class:`SignalAt` callback."""
+    target = "tests.recipes.test_preemption.SignalAt"
+    return f"+callbacks.kill={{_target_: {target}, step: {step}, signal: {signal_name}, rank: {rank}}}"
+
+
+def _assert_same_training_state(path: Path, reference_path: Path) -> None:
+    state, reference = torch.load(path, weights_only=True), torch.load(reference_path, weights_only=True)
+    assert state["global_step"] == reference["global_step"]
+    for name, value in reference["state_dict"].items():
+        assert torch.equal(state["state_dict"][name], value), f"parameter {name} differs from the uninterrupted run"
+    optimizer, reference_optimizer = state["optimizer_states"][0]["state"], reference["optimizer_states"][0]["state"]
+    assert optimizer.keys() == reference_optimizer.keys()
+    for index, values in reference_optimizer.items():
+        for key, value in values.items():
+            assert torch.equal(optimizer[index][key], value), f"optimizer state {key} of parameter {index} differs"
+    assert state["lr_schedulers"] == reference["lr_schedulers"]
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=300)
+@pytest.mark.parametrize("signal_name", ["SIGUSR1", "SIGTERM"])
+def test_a_stop_mid_epoch_and_the_rerun_end_bit_identical_to_an_uninterrupted_run(signal_name: str) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    base = Path(comm.bcast(tempfile.mkdtemp() if comm.rank == 0 else None))
+    noisy = ["optimizer=adamw", "model.dropout=0.2"]  # dropout and a stateful optimizer
+    reference_dir, run_dir = base / "uninterrupted", base / "stopped"
+    train(_cfg(reference_dir, "mpi_ad", noisy))
+
+    with pytest.raises(SystemExit) as stop:
+        train(_cfg(run_dir, "mpi_ad", [*noisy, _stop_with(signal_name, rank=comm.size - 1)]))
+    assert stop.value.code == STOPPED_EXIT_CODE
+    assert [p.name for p in run_dir.glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_1.ckpt"]
+    assert torch.load(run_dir / "hpc_ckpt_1.ckpt", weights_only=True)["global_step"] == 31
+    assert not (run_dir / "summary.json").exists()
+
+    objective = train(_cfg(run_dir, "mpi_ad", noisy))
+    comm.Barrier()  # rank 0 writes the summary after the other ranks are done
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == str(run_dir / "hpc_ckpt_1.ckpt")
+    assert objective == pytest.approx(summary["final"]["val/acc"])
+    _assert_same_training_state(run_dir / "checkpoints" / "last.ckpt", reference_dir / "checkpoints" / "last.ckpt")
+
+    # Rerunning the finished run resumes from its last.ckpt, the final state, and trains nothing.
+    last = reference_dir / "checkpoints" / "last.ckpt"
+    written = last.stat().st_mtime_ns
+    train(_cfg(reference_dir, "mpi_ad", noisy))
+    comm.Barrier()
+    summary = json.loads((reference_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == str(last)
+    assert summary["global_step"] == torch.load(last, weights_only=True)["global_step"]
+    assert last.stat().st_mtime_ns == written
+
+
+def test_with_another_strategy_the_preemption_callback_stops_and_the_rerun_finishes(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as stop:
+        train(_cfg(tmp_path, "auto", [_stop_with("SIGUSR1", rank=0)]))
+    assert stop.value.code == STOPPED_EXIT_CODE
     assert [p.name for p in tmp_path.glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_1.ckpt"]
     assert not (tmp_path / "summary.json").exists()
 
-    objective = train(_cfg(tmp_path, strategy, []))
+    objective = train(_cfg(tmp_path, "auto", []))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from"] == str(tmp_path / "hpc_ckpt_1.ckpt")
     steps_per_epoch = math.ceil(1437 / 32)

@@ -1,16 +1,33 @@
-"""Checkpoints: written atomically by rank 0, loaded on every rank, resuming continues the same trajectory."""
+"""Checkpoints: written atomically and sealed by rank 0, verified and loaded on every rank; resuming continues the
+same trajectory, after a stop signal in the middle of an epoch too (bit for bit); corrupt files are refused on
+every rank."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import random
+import signal
+import struct
+import warnings
+import zipfile
 from typing import Any
 
+import lightning.pytorch as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mpistrategy.aggregation import GradBucket, MeanAggregator
+from mpistrategy.strategy import checkpoint_files
+from mpistrategy.strategy.checkpoint_files import SEAL_PREFIX, CorruptCheckpointError
+from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
 from mpistrategy.strategy.mpi_ad import CHECKPOINT_KEY, MPIADStrategy
+from mpistrategy.strategy.resumable import ResumableLoader, make_resumable
 from tests.strategy.helpers import (
     COMM,
     RANK,
@@ -65,11 +82,12 @@ def test_resume_continues_the_same_trajectory() -> None:
     first = os.path.join(directory, "epoch=0.ckpt")
     assert os.path.exists(first)
     assert not [name for name in os.listdir(directory) if ".tmp" in name], "temporary files were left behind"
-    saved = torch.load(first, weights_only=False)
-    assert saved[CHECKPOINT_KEY] == {
-        "aggregator": {"combined": straight_aggregator.combined // 3},
-        "sync": {"name": "flat", "state": {}},
-    }
+    saved = torch.load(first, weights_only=True)  # a normal checkpoint, also for the strict loader
+    assert saved[CHECKPOINT_KEY]["aggregator"] == {"combined": straight_aggregator.combined // 3}
+    assert saved[CHECKPOINT_KEY]["sync"] == {"name": "flat", "state": {}}
+    assert saved[CHECKPOINT_KEY]["world_size"] == SIZE and len(saved[CHECKPOINT_KEY]["random_state"]) == SIZE
+    with zipfile.ZipFile(first) as archive:
+        assert archive.comment.startswith(SEAL_PREFIX) and len(archive.comment) == len(SEAL_PREFIX) + 64
 
     resumed, resumed_aggregator = _fit(shared_tmpdir(), epochs=3, seed=99, ckpt_path=first)  # other init
     assert_same_on_all_ranks(flat_parameters(resumed), "resumed parameters")
@@ -88,3 +106,265 @@ def test_checkpoint_only_rank_zero_can_see_is_broadcast() -> None:
     reference = COMM.bcast(torch.load(path, weights_only=False)["state_dict"] if RANK == 0 else None, root=0)
     for key, value in reference.items():
         torch.testing.assert_close(checkpoint["state_dict"][key], value)
+
+
+# --- a stop signal in the middle of an epoch, then resume: bit for bit the uninterrupted run ------------------------
+
+BATCH = 4
+BATCHES_PER_EPOCH = 6  # per rank
+EPOCHS = 3
+
+
+class NoisyDropoutModel(L.LightningModule):
+    """Dropout (torch's generator) and a loss scale drawn from numpy's and python's generators, AdamW: training
+    depends on every random generator a resume must restore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 2)).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        scale = 1.0 + 0.1 * float(np.random.rand()) + 0.1 * random.random()
+        return scale * nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
+class SignalAt(L.Callback):
+    """Sends ``signum`` to this process on the last rank once ``step`` optimizer steps are done."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and RANK == SIZE - 1:
+            os.kill(os.getpid(), self.signum)
+
+
+def _shuffled_loader() -> DataLoader:
+    samples = SIZE * BATCH * BATCHES_PER_EPOCH
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(samples, 6, generator=g, dtype=torch.float64)
+    data = TensorDataset(x, torch.randn(samples, 2, generator=g, dtype=torch.float64))
+    return DataLoader(data, batch_size=BATCH, shuffle=True)
+
+
+def _fit_noisy(
+    directory: str, accumulate: int, callbacks: tuple = (), ckpt_path: str | None = None
+) -> tuple[L.LightningModule, L.Trainer, int | None]:
+    """Fit the noisy model (each rank's generators seeded differently, so each has its own random stream); returns
+    the model, the trainer and the exit code of a stop (``None`` if fit returned)."""
+    L.seed_everything(100, verbose=False)  # also the seed of the distributed sampler: the same on every rank
+    model = NoisyDropoutModel()
+    torch.manual_seed(200 + RANK)
+    np.random.seed(300 + RANK)
+    random.seed(400 + RANK)
+    fit = trainer(
+        max_epochs=EPOCHS, default_root_dir=directory, accumulate_grad_batches=accumulate, callbacks=list(callbacks)
+    )
+    try:
+        fit.fit(model, _shuffled_loader(), ckpt_path=ckpt_path)
+    except SystemExit as stop:
+        return model, fit, stop.code
+    return model, fit, None
+
+
+@functools.cache
+def _uninterrupted(accumulate: int) -> tuple[L.LightningModule, L.Trainer]:
+    model, fit, code = _fit_noisy(shared_tmpdir(), accumulate)
+    assert code is None and fit.global_step == EPOCHS * BATCHES_PER_EPOCH // accumulate
+    return model, fit
+
+
+def _assert_same_training_state(resumed: tuple, reference: tuple) -> None:
+    (model, fit), (reference_model, reference_fit) = resumed, reference
+    assert fit.global_step == reference_fit.global_step
+    for name, value in reference_model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), f"parameter {name} differs from the uninterrupted run"
+    state, reference_state = fit.optimizers[0].state_dict()["state"], reference_fit.optimizers[0].state_dict()["state"]
+    assert state.keys() == reference_state.keys()
+    for index, values in reference_state.items():
+        for key, value in values.items():
+            assert torch.equal(state[index][key], value), f"optimizer state {key} of parameter {index} differs"
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=240)
+@pytest.mark.parametrize(
+    ("signum", "signal_step", "accumulate"),
+    [
+        (signal.SIGUSR1, 7, 1),  # stops before batch 2 of epoch 1
+        (signal.SIGTERM, 9, 1),  # stops before batch 4 of epoch 1
+        (signal.SIGUSR1, 5, 1),  # stops before the first batch of epoch 1
+        (signal.SIGTERM, 4, 2),  # gradient accumulation: stops before batch 4 (of 6) of epoch 1, a step boundary
+    ],
+    ids=["SIGUSR1-mid-epoch", "SIGTERM-mid-epoch", "SIGUSR1-epoch-start", "SIGTERM-accumulating"],
+)
+def test_stop_mid_epoch_then_resume_ends_bit_identical_to_an_uninterrupted_run(
+    signum: int, signal_step: int, accumulate: int
+) -> None:
+    reference = _uninterrupted(accumulate)
+    directory = shared_tmpdir()
+    _, stopped, code = _fit_noisy(directory, accumulate, callbacks=(SignalAt(signal_step, signum),))
+    assert code == STOPPED_EXIT_CODE
+    assert stopped.global_step == signal_step + 1  # every rank decides one step after the signal
+    hpc = os.path.join(directory, "hpc_ckpt_1.ckpt")
+    assert torch.load(hpc, weights_only=True)["global_step"] == signal_step + 1
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, fit, code = _fit_noisy(directory, accumulate, ckpt_path=hpc)
+    assert code is None
+    assert not [w for w in caught if "not resumable" in str(w.message)], "Lightning called the dataloader unresumable"
+    assert isinstance(fit.train_dataloader, ResumableLoader)
+    _assert_same_training_state((model, fit), reference)
+
+
+# --- the resumable loader on its own (one process) ------------------------------------------------------------------
+
+
+def _sharded_loader(replicas: int, rank: int, samples: int = 40, batch: int = 3) -> DataLoader:
+    dataset = TensorDataset(torch.arange(samples))
+    return DataLoader(dataset, batch_size=batch, sampler=DistributedSampler(dataset, replicas, rank, seed=4))
+
+
+def test_resumable_loader_continues_the_epoch_after_the_batches_done() -> None:
+    reference = make_resumable(_sharded_loader(2, 1), lambda: None)
+    assert reference is not None
+    reference.sampler.set_epoch(3)
+    order = [batch[0].tolist() for batch in reference]
+    assert len(order) == len(reference) == 7
+    stopped = iter(reference)
+    for _ in range(4):
+        next(stopped)
+    state = reference.state_dict()
+    assert state == {"epoch": 3, "batches": 4, "num_batches": 7, "num_replicas": 2}
+
+    resumed = make_resumable(_sharded_loader(2, 1), lambda: None)
+    assert resumed is not None
+    resumed.load_state_dict(state)
+    assert [batch[0].tolist() for batch in resumed] == order[4:]
+    assert resumed.state_dict()["batches"] == 7
+    resumed.sampler.set_epoch(4)  # the next epoch is whole again
+    assert len([batch for batch in resumed]) == 7
+
+
+def test_resumable_loader_on_another_number_of_ranks_restarts_the_epoch_with_a_warning(caplog) -> None:
+    saved = make_resumable(_sharded_loader(3, 0), lambda: None)
+    assert saved is not None
+    iterator = iter(saved)
+    next(iterator)
+    next(iterator)
+    resumed = make_resumable(_sharded_loader(2, 0), lambda: None)
+    assert resumed is not None
+    resumed.load_state_dict(saved.state_dict())
+    with caplog.at_level(logging.WARNING):
+        batches = list(resumed)
+    assert len(batches) == len(resumed) == 7
+    assert "3 ranks" in caplog.text and "this run has 2 ranks" in caplog.text and "cannot continue" in caplog.text
+
+
+def test_only_loaders_with_a_distributed_order_become_resumable() -> None:
+    dataset = TensorDataset(torch.arange(10))
+    assert make_resumable(DataLoader(dataset, batch_size=2, shuffle=True), lambda: None) is None
+    unbatched = DataLoader(dataset, batch_size=None, sampler=DistributedSampler(dataset, 2, 0))
+    assert make_resumable(unbatched, lambda: None) is None
+    assert make_resumable(_sharded_loader(2, 0), lambda: None) is not None
+
+
+# --- corrupt checkpoints ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sound_checkpoints() -> tuple[str, str]:
+    """Two sound checkpoints of a short run (epoch 0, then epoch 1), in a folder of their own."""
+    directory = shared_tmpdir()
+    _fit(directory, epochs=2, seed=2)
+    return os.path.join(directory, "epoch=0.ckpt"), os.path.join(directory, "epoch=1.ckpt")
+
+
+def _tensor_data(path: str | os.PathLike) -> tuple[int, int]:
+    """Offset and size of the bytes of the first tensor stored in the checkpoint at ``path``."""
+    with zipfile.ZipFile(path) as archive:
+        entry = next(info for info in archive.infolist() if "/data/" in info.filename and info.file_size)
+    with open(path, "rb") as handle:
+        handle.seek(entry.header_offset + 26)  # the local header's name and extra-field lengths
+        name_length, extra_length = struct.unpack("<HH", handle.read(4))
+    return entry.header_offset + 30 + name_length + extra_length, entry.file_size
+
+
+def _corrupt_copy(kind: str) -> str:
+    """A damaged copy of the newest sound checkpoint, next to it (written by rank 0)."""
+    _, newest = _sound_checkpoints()
+    path = os.path.join(os.path.dirname(newest), f"{kind}.ckpt")
+    if RANK == 0:
+        content = bytearray(open(newest, "rb").read())
+        if kind == "bit-flips":
+            start, size = _tensor_data(newest)
+            for offset in (0, size // 2, size - 1):
+                content[start + offset] ^= 0x10  # inside the tensor data; the zip structure stays intact
+        elif kind == "truncated":
+            content = content[:-100]
+        else:
+            content = bytearray()
+        with open(path, "wb") as handle:
+            handle.write(content)
+    COMM.Barrier()
+    return path
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+@pytest.mark.parametrize("kind", ["bit-flips", "truncated", "empty"])
+def test_a_corrupt_checkpoint_is_refused_on_every_rank_naming_an_older_sound_one(kind: str) -> None:
+    path = _corrupt_copy(kind)
+    _, newest = _sound_checkpoints()
+    if kind == "bit-flips":
+        torch.load(path, weights_only=True)  # what the seal catches: torch itself loads the damaged data
+    fit = trainer(strategy=MPIADStrategy(), max_epochs=3)
+    with pytest.raises(CorruptCheckpointError) as refused:
+        fit.fit(Regressor(mlp(seed=2)), loader(regression_data(SIZE * 12), 4), ckpt_path=path)
+    message = str(refused.value)
+    assert f"Checkpoint {path} is corrupt" in message
+    expected = {"bit-flips": "do not match the SHA-256", "truncated": "ends early", "empty": "empty (0 bytes)"}[kind]
+    assert expected in message
+    assert f"passes the check: {newest}" in message
+    assert_same_on_all_ranks(torch.tensor([len(message)]), "the error message")
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_a_checkpoint_corrupt_on_one_rank_only_is_refused_on_every_rank() -> None:
+    corrupt = _corrupt_copy("bit-flips")
+    _, newest = _sound_checkpoints()
+    mine = corrupt if RANK == SIZE - 1 else newest  # as if the last rank's node saw a damaged copy
+    fit = trainer(strategy=MPIADStrategy(), max_epochs=3)
+    with pytest.raises(CorruptCheckpointError, match=f"found on rank\\(s\\) \\[{SIZE - 1}\\]"):
+        fit.fit(Regressor(mlp(seed=2)), loader(regression_data(SIZE * 12), 4), ckpt_path=mine)
+
+
+def test_an_interrupted_write_leaves_the_previous_file_and_no_temporary(tmp_path) -> None:
+    path = str(tmp_path / "last.ckpt")
+    checkpoint_files.write_atomically(path, lambda temporary: torch.save({"step": 1}, temporary))
+    assert checkpoint_files.find_problem(path) is None
+
+    def fail_halfway(temporary: str) -> None:
+        with open(temporary, "wb") as handle:
+            handle.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint_files.write_atomically(path, fail_halfway)
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_a_torch_checkpoint_without_a_seal_is_checked_by_its_crc(tmp_path) -> None:
+    path = tmp_path / "foreign.ckpt"
+    torch.save({"weights": torch.arange(1000.0)}, path)
+    assert checkpoint_files.find_problem(str(path)) is None
+    content = bytearray(path.read_bytes())
+    start, _ = _tensor_data(path)
+    content[start + 7] ^= 0x01
+    path.write_bytes(bytes(content))
+    assert "CRC-32" in (checkpoint_files.find_problem(str(path)) or "")

@@ -1,11 +1,13 @@
-"""Failures end every rank quickly with a non-zero exit code and the original traceback; stop signals stop every
-rank at the same step after saving a checkpoint. Each test runs its own ``mpiexec -n 3`` job (not under the
-multi-rank harness)."""
+"""Failures end every rank quickly with a non-zero exit code and the original traceback (printed once), or with the
+rank and exit code of a rank that called ``os._exit``; stop signals stop every rank at the same step after saving a
+checkpoint, with exit code 75; a corrupt checkpoint is refused by every rank, which exits 1 without an abort. Each
+test runs its own ``mpiexec -n 3`` job (not under the multi-rank harness)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from mpistrategy.launch import mpiexec_command
+from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
 from tests.mpi_harness import clean_environ
 
 SCRIPT = Path(__file__).parent / "scripts" / "failing_job.py"
@@ -61,8 +64,16 @@ def test_rank_raising_mid_epoch_ends_all_ranks() -> None:
     code, output, ended = _run("raise", tempfile.mkdtemp())
     assert code != 0
     assert ended - _failed_at(output) < LIMIT
-    assert "RuntimeError: boom from rank 1 at batch 3" in output
+    assert output.count("RuntimeError: boom from rank 1 at batch 3") == 1, output[-4000:]  # printed once
     assert "in training_step" in output and "[mpistrategy] rank 1 of 3" in output
+
+
+def test_rank_calling_os_exit_ends_all_ranks_and_says_which_rank_and_code() -> None:
+    code, output, ended = _run("os_exit", tempfile.mkdtemp())
+    assert code != 0
+    assert ended - _failed_at(output) < LIMIT
+    assert "[mpistrategy] rank 1 of 3" in output and "exited with code 3 through os._exit" in output, output[-4000:]
+    assert "in training_step" in output  # where it was called from
 
 
 def test_rank_killed_mid_epoch_ends_all_ranks() -> None:
@@ -83,10 +94,18 @@ def _stopped_steps(output: str) -> dict[int, int]:
     return {int(r): int(s) for r, s in re.findall(r"STOPPED rank=(\d+) global_step=(\d+)", output)}
 
 
-def test_sigusr1_on_one_rank_stops_all_at_the_same_step_with_a_checkpoint() -> None:
+@pytest.fixture(scope="module")
+def stopped_by_sigusr1() -> tuple[str, int, str]:
+    """A job stopped by SIGUSR1 on rank 1: its directory (with the stop checkpoint), exit code and output."""
     directory = tempfile.mkdtemp()
     code, output, _ = _run("usr1", directory)
-    assert code == 0, output[-4000:]
+    return directory, code, output
+
+
+def test_sigusr1_on_one_rank_stops_all_at_the_same_step_with_a_checkpoint(stopped_by_sigusr1) -> None:
+    stopped, code, output = stopped_by_sigusr1
+    directory = shutil.copytree(stopped, tempfile.mkdtemp() + "/job")
+    assert code == STOPPED_EXIT_CODE, output[-4000:]
     steps = _stopped_steps(output)
     assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]
     step = steps[0]
@@ -111,7 +130,7 @@ def test_sigterm_from_outside_to_one_rank_stops_all_at_the_same_step() -> None:
         time.sleep(0.2)
     os.kill(int(target.read_text()), signal.SIGTERM)
     code, output, _ = _finish(process)
-    assert code == 0, output[-4000:]
+    assert code == STOPPED_EXIT_CODE, output[-4000:]
     steps = _stopped_steps(output)
     assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]
     assert (Path(directory) / "hpc_ckpt_1.ckpt").exists()
@@ -129,7 +148,18 @@ def test_signal_to_mpiexec_stops_all_ranks(signum: signal.Signals) -> None:
     time.sleep(0.5)
     process.send_signal(signum)
     code, output, _ = _finish(process)
-    assert code == 0, output[-4000:]
+    assert code == STOPPED_EXIT_CODE, output[-4000:]
     steps = _stopped_steps(output)
     assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]
     assert (Path(directory) / "hpc_ckpt_1.ckpt").exists()
+
+
+def test_a_truncated_stop_checkpoint_is_refused_by_every_rank_without_an_abort(stopped_by_sigusr1) -> None:
+    directory = shutil.copytree(stopped_by_sigusr1[0], tempfile.mkdtemp() + "/job")
+    code, output, _ = _run("corrupt", directory)
+    assert code == 1, output[-4000:]
+    checkpoint = Path(directory) / "hpc_ckpt_1.ckpt"
+    refusal = f"CorruptCheckpointError: Checkpoint {checkpoint} is corrupt: it ends early"
+    assert output.count(refusal) == RANKS, output[-4000:]  # every rank raises it
+    assert sorted(_stopped_steps(output)) == list(range(RANKS))  # every rank left fit by itself: no abort, no hang
+    assert "aborting all ranks" not in output

@@ -2,9 +2,10 @@
 
 Usage: mpiexec -n 3 python failing_job.py MODE DIRECTORY
 
-MODE: raise (rank 1 raises in training_step), kill (rank 1 SIGKILLs itself), raise_outside (rank 1 raises after
-fit while the others wait in a barrier), usr1 (rank 1 sends itself SIGUSR1), pids (every rank writes its pid to
-DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue from the stop checkpoint).
+MODE: raise (rank 1 raises in training_step), kill (rank 1 SIGKILLs itself), os_exit (rank 1 calls os._exit(3)),
+raise_outside (rank 1 raises after fit while the others wait in a barrier), usr1 (rank 1 sends itself SIGUSR1),
+pids (every rank writes its pid to DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue
+from the stop checkpoint), corrupt (resume from DIRECTORY/hpc_ckpt_1.ckpt after rank 0 cut it short).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Job(L.LightningModule):
             if MODE == "kill":
                 mark("FAILING")
                 os.kill(os.getpid(), signal.SIGKILL)
+            if MODE == "os_exit":
+                mark("FAILING")
+                os._exit(3)
             if MODE == "usr1":
                 mark("SIGNALLING")
                 os.kill(os.getpid(), signal.SIGUSR1)
@@ -58,6 +62,11 @@ class Job(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+if MODE == "corrupt" and RANK == 0:
+    checkpoint = os.path.join(DIRECTORY, "hpc_ckpt_1.ckpt")
+    os.truncate(checkpoint, os.path.getsize(checkpoint) - 100)
+MPI.COMM_WORLD.Barrier()
+
 data = TensorDataset(torch.randn(3 * 8 * 50, 4))
 trainer = L.Trainer(
     strategy="mpi_ad",
@@ -71,7 +80,7 @@ trainer = L.Trainer(
     default_root_dir=DIRECTORY,
 )
 try:
-    trainer.fit(Job(), DataLoader(data, batch_size=8), ckpt_path="hpc" if MODE == "resume" else None)
+    trainer.fit(Job(), DataLoader(data, batch_size=8), ckpt_path="hpc" if MODE in ("resume", "corrupt") else None)
 finally:
     print(f"STOPPED rank={RANK} global_step={trainer.global_step}", flush=True)
 if MODE == "raise_outside":

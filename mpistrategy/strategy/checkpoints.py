@@ -1,0 +1,139 @@
+"""mpi_ad's checkpoints across ranks: what the strategy adds to Lightning's checkpoint, how rank 0 writes it and
+how every rank reads it.
+
+Added under ``checkpoint["mpistrategy"]``: the data-parallel engine's state (sync mode, aggregator, replicas) and,
+in a training checkpoint (one with loop state, not weights only), ``world_size`` and ``random_state``: every rank's
+random state (:mod:`~mpistrategy.strategy.random_state`), gathered to rank 0, a list indexed by rank.
+
+Writing: rank 0, atomically and sealed with a SHA-256 (:mod:`~mpistrategy.strategy.checkpoint_files`) for local
+paths; a remote path (an fsspec URL) or an asynchronous checkpoint IO gets the checkpoint as it is.
+
+Reading: every rank verifies and loads the file it sees, and the ranks agree on the outcome (one allgather): a
+corrupt or unreadable file, or a load that fails on some rank only, raises on every rank (marked so, so that the
+strategy does not abort and no rank waits). When some rank cannot see the file, rank 0 verifies and loads it and
+broadcasts the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from mpi4py import MPI
+
+from mpistrategy.strategy import checkpoint_files, failures, random_state
+from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError
+
+log = logging.getLogger(__name__)
+
+KEY = "mpistrategy"
+
+Checkpoint = dict[str, Any]
+#: how reading failed on a rank: ("corrupt", what is wrong) or ("error", "ExceptionType: message")
+Failure = tuple[str, str]
+
+
+def add_state(checkpoint: Checkpoint, engine_state: dict[str, Any], comm: MPI.Intracomm) -> None:
+    """Collective: put the strategy's state into ``checkpoint`` (complete on rank 0, the writer)."""
+    added: dict[str, Any] = dict(engine_state)
+    if "loops" in checkpoint:
+        added["world_size"] = comm.Get_size()
+        added["random_state"] = random_state.gather(random_state.capture(), comm)
+    if added:
+        checkpoint[KEY] = added
+
+
+def write(checkpoint: Checkpoint, filepath: Any, save: Callable[[Checkpoint, Any], None], asynchronous: bool) -> None:
+    """Rank 0: ``save(checkpoint, path)`` (the checkpoint IO) to a temporary file, sealed and renamed to
+    ``filepath``; straight to ``filepath`` when it is remote or ``asynchronous``."""
+    path = os.fspath(filepath)
+    if _is_remote(path) or asynchronous:
+        save(checkpoint, filepath)
+        return
+    checkpoint_files.write_atomically(path.removeprefix("file://"), lambda temporary: save(checkpoint, temporary))
+
+
+def read(checkpoint_path: Any, load: Callable[[Any], Checkpoint], comm: MPI.Intracomm) -> Checkpoint:
+    """Collective: the checkpoint, verified and loaded on every rank (see the module doc)."""
+    path = os.fspath(checkpoint_path)
+    single = comm.Get_size() == 1
+    visible = _is_remote(path) or os.path.exists(path.removeprefix("file://"))
+    error: Exception | None = None
+    if single or comm.allreduce(visible, op=MPI.LAND):
+        checkpoint, failure, error = _verify_and_load(path, load)
+        failures_by_rank = [failure] if single else comm.allgather(failure)
+    else:
+        checkpoint, failure, error = _verify_and_load(path, load) if comm.Get_rank() == 0 else (None, None, None)
+        checkpoint, failure = comm.bcast((checkpoint, failure), root=0)
+        failures_by_rank = [failure] + [None] * (comm.Get_size() - 1)
+    _raise_if_any_failed(path, failures_by_rank, error, comm)
+    assert checkpoint is not None
+    return checkpoint
+
+
+def _verify_and_load(
+    path: str, load: Callable[[Any], Checkpoint]
+) -> tuple[Checkpoint | None, Failure | None, Exception | None]:
+    if not _is_remote(path):
+        problem = checkpoint_files.find_problem(path.removeprefix("file://"))
+        if problem is not None:
+            return None, ("corrupt", problem), None
+    try:
+        return load(path), None, None
+    except Exception as error:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        return None, ("error", f"{type(error).__name__}: {error}"), error
+
+
+def _raise_if_any_failed(
+    path: str, failures_by_rank: list[Failure | None], mine: Exception | None, comm: MPI.Intracomm
+) -> None:
+    """Raise on every rank if reading failed on any: a corrupt file as :class:`CorruptCheckpointError` (naming an
+    older sound checkpoint), a failed load as the loader's own exception where it happened, else as a
+    ``RuntimeError`` naming the rank."""
+    failing = [rank for rank, failure in enumerate(failures_by_rank) if failure is not None]
+    if not failing:
+        return
+    first = failing[0]
+    kind, detail = failures_by_rank[first]  # type: ignore[misc]
+    if kind == "corrupt":
+        message = checkpoint_files.corrupt_message(path, detail, _older_sound_checkpoint(path, first, comm))
+        if len(failing) < len(failures_by_rank):
+            message += (
+                f" (found on rank(s) {failing}; the other ranks' file passes: the ranks do not see the same file)"
+            )
+        raise failures.mark_raised_on_every_rank(CorruptCheckpointError(message))
+    if mine is not None:
+        raise failures.mark_raised_on_every_rank(mine)
+    raise failures.mark_raised_on_every_rank(
+        RuntimeError(f"rank {first} could not load the checkpoint {path}: {detail}")
+    )
+
+
+def _older_sound_checkpoint(path: str, finder: int, comm: MPI.Intracomm) -> str | None:
+    """Collective: rank ``finder`` looks for an older sound checkpoint next to ``path``; every rank gets its answer."""
+    found = checkpoint_files.older_sound_checkpoint(path.removeprefix("file://")) if comm.Get_rank() == finder else None
+    return found if comm.Get_size() == 1 else comm.bcast(found, root=finder)
+
+
+def random_state_of(checkpoint: Checkpoint, rank: int, world_size: int) -> random_state.RandomState | None:
+    """This rank's random state in ``checkpoint``; ``None`` if there is none or it was saved by another number of
+    ranks (then rank 0 warns)."""
+    states = checkpoint.get(KEY, {}).get("random_state")
+    if states is None:
+        return None
+    if len(states) == world_size:
+        return states[rank]
+    if rank == 0:
+        log.warning(
+            "mpi_ad: the checkpoint holds the random states of %d ranks and this run has %d: they are not restored "
+            "(dropout and other random draws continue from this run's seed instead).",
+            len(states),
+            world_size,
+        )
+    return None
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")

@@ -1,0 +1,152 @@
+"""A training DataLoader that continues an epoch where a checkpoint left it.
+
+Lightning gives every rank a ``DistributedSampler``: the indices rank ``r`` of ``N`` visits in epoch ``e`` are a
+pure function of (seed, e, r, N), drawn from a generator of their own, not from the global one. So after ``k``
+batches of ``b`` samples the rest of the epoch is that order without its first ``k * b`` indices, whatever else
+the run did. :class:`ResumableLoader` counts the batches it hands out, reports ``(epoch, k)`` through the
+``state_dict`` / ``load_state_dict`` interface Lightning saves in the checkpoint's loop state (so Lightning treats
+the loader as resumable), and after a resume starts the interrupted epoch at index ``k * b`` of that order, without
+reading the skipped samples. It also calls a hook before each batch is fetched, where the strategy checks for a
+coordinated stop and restores the random state, so both happen before the batch's data is read.
+
+Exact for a map-style dataset read through Lightning's ``DistributedSampler`` on the same number of ranks. On a
+different number of ranks the order of the epoch is another one: the rest of the interrupted epoch cannot be
+recovered, so the loader warns and starts that epoch's order from its beginning (what Lightning does with any
+loader it cannot resume). Loaders it cannot make resumable (iterable datasets, custom samplers or batch samplers)
+are left alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
+
+log = logging.getLogger(__name__)
+
+
+class _SkippingSampler(Sampler[int]):
+    """A ``DistributedSampler`` whose next pass may start ``skip`` indices into its order."""
+
+    def __init__(self, sampler: DistributedSampler) -> None:
+        self.sampler = sampler
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.sampler), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class ResumableLoader:
+    """``loader`` (its attributes are forwarded) plus its position in the current epoch.
+
+    Args:
+        loader: a DataLoader over a map-style dataset whose batch sampler is a ``BatchSampler`` over a
+            ``DistributedSampler`` (see :func:`make_resumable`).
+        before_batch: called before each batch is fetched.
+    """
+
+    def __init__(self, loader: DataLoader, before_batch: Callable[[], None]) -> None:
+        self.loader = loader
+        batch_sampler = loader.batch_sampler
+        assert isinstance(batch_sampler, BatchSampler)
+        if not isinstance(batch_sampler.sampler, _SkippingSampler):
+            batch_sampler.sampler = _SkippingSampler(batch_sampler.sampler)
+        self._order: _SkippingSampler = batch_sampler.sampler
+        self._batch_size: int = batch_sampler.batch_size
+        self._before_batch = before_batch
+        self._batches = 0
+        self._resume_at: dict[str, int] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._batches = self._skip_for_resume()
+        return self._batches_of(iter(self.loader))
+
+    def _batches_of(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            self._before_batch()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._batches += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``batches`` of ``num_batches`` done in ``epoch``, by ``num_replicas`` ranks."""
+        return {
+            "epoch": self._order.sampler.epoch,
+            "batches": self._batches,
+            "num_batches": len(self.loader),
+            "num_replicas": self._order.sampler.num_replicas,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`) at the next ``iter()``."""
+        self._resume_at = dict(state)
+
+    def _skip_for_resume(self) -> int:
+        """Set up the pass that continues a loaded position; returns the batches it skips (0 if none)."""
+        state, self._resume_at = self._resume_at, None
+        if state is None or state["batches"] >= state["num_batches"] or state["batches"] == 0:
+            return 0
+        replicas, batches = self._order.sampler.num_replicas, len(self.loader)
+        if state["num_replicas"] != replicas or state["num_batches"] != batches:
+            if self._order.sampler.rank == 0:
+                _warn_cannot_continue(state, replicas, batches)
+            return 0
+        self._order.set_epoch(state["epoch"])
+        self._order.skip = state["batches"] * self._batch_size
+        return state["batches"]
+
+
+def _warn_cannot_continue(state: dict[str, int], replicas: int, batches: int) -> None:
+    log.warning(
+        "mpi_ad: the checkpoint stopped in the middle of epoch %d (%d of %d batches per rank done, %d ranks); "
+        "this run has %d ranks and %d batches per rank per epoch, so the sampler orders that epoch "
+        "differently and it cannot continue where it stopped: its remaining steps read the first batches of "
+        "this run's order instead, and training no longer matches an uninterrupted run. Resume on %d ranks "
+        "with the same data and batch size for an exact continuation.",
+        state["epoch"],
+        state["batches"],
+        state["num_batches"],
+        state["num_replicas"],
+        replicas,
+        batches,
+        state["num_replicas"],
+    )
+
+
+def make_resumable(loader: object, before_batch: Callable[[], None]) -> ResumableLoader | None:
+    """``loader`` as a :class:`ResumableLoader`, or ``None`` when its order is not a pure function of the epoch
+    (not a DataLoader, an iterable dataset, a batch sampler other than ``BatchSampler``, a sampler other than
+    ``DistributedSampler``)."""
+    if isinstance(loader, ResumableLoader):
+        loader = loader.loader
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    batch_sampler = loader.batch_sampler
+    if type(batch_sampler) is not BatchSampler:
+        return None
+    sampler = batch_sampler.sampler
+    inner = sampler.sampler if isinstance(sampler, _SkippingSampler) else sampler
+    if type(inner) is not DistributedSampler:
+        return None
+    return ResumableLoader(loader, before_batch)
