@@ -1,0 +1,47 @@
+"""Aggregation schemes by name, for configs and command lines: ``build_aggregator("topk", density=0.01)``.
+
+========================  =================================================================  ====================
+name                      scheme                                                              state
+========================  =================================================================  ====================
+``mean``                  :class:`MeanAggregator`: the exact mean (what DDP does)             none
+========================  =================================================================  ====================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from mpistrategy.aggregation.base import Aggregator
+from mpistrategy.aggregation.mean import MeanAggregator
+
+SCHEMES: dict[str, Callable[..., Aggregator]] = {
+    "mean": MeanAggregator,
+}
+
+
+def build_aggregator(name: str, **options: Any) -> Aggregator:
+    """The aggregator registered as ``name``, built with ``options`` (its constructor's keyword arguments).
+
+    Raises ``ValueError`` naming the valid names for an unknown ``name``, and ``TypeError`` naming the accepted
+    options for an unknown option.
+    """
+    factory = SCHEMES.get(name) if isinstance(name, str) else None
+    if factory is None:
+        raise ValueError(f"unknown aggregation scheme {name!r}; valid names: {', '.join(SCHEMES)}.")
+    try:
+        return factory(**options)
+    except TypeError as error:
+        if "unexpected keyword argument" not in str(error):
+            raise
+        raise TypeError(f"aggregation scheme {name!r}: {error}; it accepts {_parameters(factory)}.") from None
+
+
+def _parameters(factory: Callable[..., Aggregator]) -> str:
+    import inspect
+
+    fixed = factory.keywords if isinstance(factory, partial) else {}
+    target = factory.func if isinstance(factory, partial) else factory
+    names = [n for n in inspect.signature(target).parameters if n not in fixed]
+    return ", ".join(names) if names else "no options"
