@@ -9,6 +9,7 @@ default, a non-blocking in-place average over all ranks. The compressing schemes
 
 from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBucket, Work
 from mpistrategy.aggregation.compression import CompressingAggregator
+from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.aggregation.registry import SCHEMES, build_aggregator
 
@@ -18,6 +19,7 @@ __all__ = [
     "Aggregator",
     "CompressingAggregator",
     "GradBucket",
+    "LowPrecision",
     "MeanAggregator",
     "Work",
     "build_aggregator",

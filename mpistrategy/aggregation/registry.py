@@ -4,6 +4,7 @@
 name                      scheme                                                              state
 ========================  =================================================================  ====================
 ``mean``                  :class:`MeanAggregator`: the exact mean (what DDP does)             none
+``fp16``, ``bf16``        :class:`LowPrecision`: averaged in float16 / bfloat16 on the wire   none
 ========================  =================================================================  ====================
 """
 
@@ -14,10 +15,13 @@ from functools import partial
 from typing import Any
 
 from mpistrategy.aggregation.base import Aggregator
+from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
 
 SCHEMES: dict[str, Callable[..., Aggregator]] = {
     "mean": MeanAggregator,
+    "fp16": partial(LowPrecision, dtype="float16"),
+    "bf16": partial(LowPrecision, dtype="bfloat16"),
 }
 
 
