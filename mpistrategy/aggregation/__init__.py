@@ -12,6 +12,7 @@ from mpistrategy.aggregation.compression import CompressingAggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.aggregation.registry import SCHEMES, build_aggregator
+from mpistrategy.aggregation.topk import TopK
 
 __all__ = [
     "SCHEMES",
@@ -21,6 +22,7 @@ __all__ = [
     "GradBucket",
     "LowPrecision",
     "MeanAggregator",
+    "TopK",
     "Work",
     "build_aggregator",
 ]

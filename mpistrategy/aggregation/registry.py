@@ -5,6 +5,7 @@ name                      scheme                                                
 ========================  =================================================================  ====================
 ``mean``                  :class:`MeanAggregator`: the exact mean (what DDP does)             none
 ``fp16``, ``bf16``        :class:`LowPrecision`: averaged in float16 / bfloat16 on the wire   none
+``topk``                  :class:`TopK`: largest entries as (index, value) pairs              residuals
 ========================  =================================================================  ====================
 """
 
@@ -17,11 +18,13 @@ from typing import Any
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.aggregation.topk import TopK
 
 SCHEMES: dict[str, Callable[..., Aggregator]] = {
     "mean": MeanAggregator,
     "fp16": partial(LowPrecision, dtype="float16"),
     "bf16": partial(LowPrecision, dtype="bfloat16"),
+    "topk": TopK,
 }
 
 
