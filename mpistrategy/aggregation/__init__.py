@@ -11,6 +11,7 @@ from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBuc
 from mpistrategy.aggregation.compression import CompressingAggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.registry import SCHEMES, build_aggregator
 from mpistrategy.aggregation.topk import TopK
 
@@ -22,6 +23,7 @@ __all__ = [
     "GradBucket",
     "LowPrecision",
     "MeanAggregator",
+    "RandomK",
     "TopK",
     "Work",
     "build_aggregator",

@@ -6,6 +6,7 @@ name                      scheme                                                
 ``mean``                  :class:`MeanAggregator`: the exact mean (what DDP does)             none
 ``fp16``, ``bf16``        :class:`LowPrecision`: averaged in float16 / bfloat16 on the wire   none
 ``topk``                  :class:`TopK`: largest entries as (index, value) pairs              residuals
+``randomk``               :class:`RandomK`: a shared random subset of the entries             residuals, generator
 ========================  =================================================================  ====================
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.topk import TopK
 
 SCHEMES: dict[str, Callable[..., Aggregator]] = {
@@ -25,6 +27,7 @@ SCHEMES: dict[str, Callable[..., Aggregator]] = {
     "fp16": partial(LowPrecision, dtype="float16"),
     "bf16": partial(LowPrecision, dtype="bfloat16"),
     "topk": TopK,
+    "randomk": RandomK,
 }
 
 
