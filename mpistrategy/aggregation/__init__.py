@@ -11,11 +11,13 @@ from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBuc
 from mpistrategy.aggregation.compression import CompressingAggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.aggregation.qsgd import QSGD
 from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.registry import SCHEMES, build_aggregator
 from mpistrategy.aggregation.topk import TopK
 
 __all__ = [
+    "QSGD",
     "SCHEMES",
     "AggregationContext",
     "Aggregator",

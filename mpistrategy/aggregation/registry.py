@@ -7,6 +7,7 @@ name                      scheme                                                
 ``fp16``, ``bf16``        :class:`LowPrecision`: averaged in float16 / bfloat16 on the wire   none
 ``topk``                  :class:`TopK`: largest entries as (index, value) pairs              residuals
 ``randomk``               :class:`RandomK`: a shared random subset of the entries             residuals, generator
+``qsgd``                  :class:`QSGD`: unbiased stochastic quantisation                     generator
 ========================  =================================================================  ====================
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.aggregation.qsgd import QSGD
 from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.topk import TopK
 
@@ -28,6 +30,7 @@ SCHEMES: dict[str, Callable[..., Aggregator]] = {
     "bf16": partial(LowPrecision, dtype="bfloat16"),
     "topk": TopK,
     "randomk": RandomK,
+    "qsgd": QSGD,
 }
 
 
