@@ -11,6 +11,7 @@ from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBuc
 from mpistrategy.aggregation.compression import CompressingAggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.aggregation.minmax import MinMaxQuantization
 from mpistrategy.aggregation.qsgd import QSGD
 from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.registry import SCHEMES, build_aggregator
@@ -25,6 +26,7 @@ __all__ = [
     "GradBucket",
     "LowPrecision",
     "MeanAggregator",
+    "MinMaxQuantization",
     "RandomK",
     "TopK",
     "Work",

@@ -8,6 +8,7 @@ name                      scheme                                                
 ``topk``                  :class:`TopK`: largest entries as (index, value) pairs              residuals
 ``randomk``               :class:`RandomK`: a shared random subset of the entries             residuals, generator
 ``qsgd``                  :class:`QSGD`: unbiased stochastic quantisation                     generator
+``minmax``                :class:`MinMaxQuantization`: 8-bit (min, max) quantisation          residuals
 ========================  =================================================================  ====================
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.aggregation.minmax import MinMaxQuantization
 from mpistrategy.aggregation.qsgd import QSGD
 from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.topk import TopK
@@ -31,6 +33,7 @@ SCHEMES: dict[str, Callable[..., Aggregator]] = {
     "topk": TopK,
     "randomk": RandomK,
     "qsgd": QSGD,
+    "minmax": MinMaxQuantization,
 }
 
 
