@@ -15,6 +15,7 @@ from mpistrategy.aggregation.minmax import MinMaxQuantization
 from mpistrategy.aggregation.qsgd import QSGD
 from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.registry import SCHEMES, build_aggregator
+from mpistrategy.aggregation.sign import ScaledSign
 from mpistrategy.aggregation.topk import TopK
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "MeanAggregator",
     "MinMaxQuantization",
     "RandomK",
+    "ScaledSign",
     "TopK",
     "Work",
     "build_aggregator",

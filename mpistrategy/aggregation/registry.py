@@ -9,6 +9,7 @@ name                      scheme                                                
 ``randomk``               :class:`RandomK`: a shared random subset of the entries             residuals, generator
 ``qsgd``                  :class:`QSGD`: unbiased stochastic quantisation                     generator
 ``minmax``                :class:`MinMaxQuantization`: 8-bit (min, max) quantisation          residuals
+``sign``                  :class:`ScaledSign`: EF-SignSGD, 1 bit per element                  residuals
 ========================  =================================================================  ====================
 """
 
@@ -24,6 +25,7 @@ from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.aggregation.minmax import MinMaxQuantization
 from mpistrategy.aggregation.qsgd import QSGD
 from mpistrategy.aggregation.randomk import RandomK
+from mpistrategy.aggregation.sign import ScaledSign
 from mpistrategy.aggregation.topk import TopK
 
 SCHEMES: dict[str, Callable[..., Aggregator]] = {
@@ -34,6 +36,7 @@ SCHEMES: dict[str, Callable[..., Aggregator]] = {
     "randomk": RandomK,
     "qsgd": QSGD,
     "minmax": MinMaxQuantization,
+    "sign": ScaledSign,
 }
 
 
