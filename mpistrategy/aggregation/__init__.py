@@ -10,6 +10,7 @@ default, a non-blocking in-place average over all ranks. The compressing schemes
 from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBucket, Work
 from mpistrategy.aggregation.compression import CompressingAggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
+from mpistrategy.aggregation.majority_vote import MajorityVote
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.aggregation.minmax import MinMaxQuantization
 from mpistrategy.aggregation.qsgd import QSGD
@@ -26,6 +27,7 @@ __all__ = [
     "CompressingAggregator",
     "GradBucket",
     "LowPrecision",
+    "MajorityVote",
     "MeanAggregator",
     "MinMaxQuantization",
     "RandomK",

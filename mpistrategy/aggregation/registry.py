@@ -10,6 +10,7 @@ name                      scheme                                                
 ``qsgd``                  :class:`QSGD`: unbiased stochastic quantisation                     generator
 ``minmax``                :class:`MinMaxQuantization`: 8-bit (min, max) quantisation          residuals
 ``sign``                  :class:`ScaledSign`: EF-SignSGD, 1 bit per element                  residuals
+``majority_vote``         :class:`MajorityVote`: signSGD with majority vote                   none
 ========================  =================================================================  ====================
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.low_precision import LowPrecision
+from mpistrategy.aggregation.majority_vote import MajorityVote
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.aggregation.minmax import MinMaxQuantization
 from mpistrategy.aggregation.qsgd import QSGD
@@ -37,6 +39,7 @@ SCHEMES: dict[str, Callable[..., Aggregator]] = {
     "qsgd": QSGD,
     "minmax": MinMaxQuantization,
     "sign": ScaledSign,
+    "majority_vote": MajorityVote,
 }
 
 
