@@ -13,6 +13,7 @@ from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.majority_vote import MajorityVote
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.aggregation.minmax import MinMaxQuantization
+from mpistrategy.aggregation.powersgd import PowerSGD
 from mpistrategy.aggregation.qsgd import QSGD
 from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.registry import SCHEMES, build_aggregator
@@ -30,6 +31,7 @@ __all__ = [
     "MajorityVote",
     "MeanAggregator",
     "MinMaxQuantization",
+    "PowerSGD",
     "RandomK",
     "ScaledSign",
     "TopK",

@@ -11,6 +11,7 @@ name                      scheme                                                
 ``minmax``                :class:`MinMaxQuantization`: 8-bit (min, max) quantisation          residuals
 ``sign``                  :class:`ScaledSign`: EF-SignSGD, 1 bit per element                  residuals
 ``majority_vote``         :class:`MajorityVote`: signSGD with majority vote                   none
+``powersgd``              :class:`PowerSGD`: low-rank approximation                           residuals, Q, generator
 ========================  =================================================================  ====================
 """
 
@@ -25,6 +26,7 @@ from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.majority_vote import MajorityVote
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.aggregation.minmax import MinMaxQuantization
+from mpistrategy.aggregation.powersgd import PowerSGD
 from mpistrategy.aggregation.qsgd import QSGD
 from mpistrategy.aggregation.randomk import RandomK
 from mpistrategy.aggregation.sign import ScaledSign
@@ -40,6 +42,7 @@ SCHEMES: dict[str, Callable[..., Aggregator]] = {
     "minmax": MinMaxQuantization,
     "sign": ScaledSign,
     "majority_vote": MajorityVote,
+    "powersgd": PowerSGD,
 }
 
 
