@@ -172,7 +172,7 @@ class PowerSGD(CompressingAggregator):
         q = self.q_memory.get(matrix.name) if self.warm_start else None
         if q is None or q.shape != (matrix.cols, matrix.rank):
             q = torch.randn(matrix.cols, matrix.rank, generator=self.generator, dtype=dtype).to(device)
-        return orthogonalize(q.to(dtype=dtype, device=device))
+        return orthogonalize(q.to(dtype=dtype, device=device, copy=True))
 
     def _project(
         self, bucket: GradBucket, plan: Plan, values: torch.Tensor, exact: torch.Tensor, ps: list[torch.Tensor]
@@ -225,4 +225,4 @@ class PowerSGD(CompressingAggregator):
         self.iteration = int(state["iteration"])
         self._previous_index = int(state["previous_index"])
         self.generator.set_state(state["generator"])
-        self.q_memory = dict(state["q_memory"])
+        self.q_memory = {name: q.clone() for name, q in state["q_memory"].items()}
