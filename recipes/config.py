@@ -121,7 +121,7 @@ class RandomKAggregationConf:
 
     _target_: str = "mpistrategy.aggregation.RandomK"
     #: share of each bucket's elements sent, in (0, 1]
-    density: float = 0.01
+    density: float = 0.1
     seed: int = 0
     error_feedback: bool = True
 

@@ -11,10 +11,10 @@ buckets in the same order), so no index travels::
     e_r <- p_r with zeros at I
 
 Because the index set is shared, the selected values add up on the wire: the exchange is one non-blocking
-allreduce of ``k`` values per rank (``k * itemsize`` bytes, density 1% of the dense mean's bytes), not an allgather
-of (index, value) pairs, and not a dense allreduce of mostly zeros. The indices come from NumPy's PCG64 generator
-(its ``choice`` without replacement costs O(k) for small densities, ``torch.randperm`` O(n)); its state is part of
-the checkpoint. ``RandomK(density=1)`` is the mean.
+allreduce of ``k`` values per rank (``k * itemsize`` bytes, the density share of the dense mean's bytes), not an
+allgather of (index, value) pairs, and not a dense allreduce of mostly zeros. The indices come from NumPy's PCG64
+generator (its ``choice`` without replacement costs O(k) for small densities, ``torch.randperm`` O(n)); its state
+is part of the checkpoint. ``RandomK(density=1)`` is the mean.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ class RandomK(CompressingAggregator):
     """Send the same random ``density`` share of every bucket's entries from every rank (see the module docstring).
 
     Args:
-        density: share of each bucket's elements sent, in (0, 1].
+        density: share of each bucket's elements sent, in (0, 1]. A uniform sample carries less of the gradient than
+            the largest entries: on the digits job random-k at 1% ends 2-7 points below the mean (top-k at 1%: within
+            one), at 10% within 2; hence the default of 10%.
         seed: seed of the index generator, the same on every rank.
         error_feedback: keep what was not sent and add it to the next gradient; without it the combined gradient is
             rescaled by ``n / k`` to be unbiased.
@@ -43,7 +45,7 @@ class RandomK(CompressingAggregator):
 
     scheme = "randomk"
 
-    def __init__(self, density: float = 0.01, seed: int = 0, error_feedback: bool = True) -> None:
+    def __init__(self, density: float = 0.1, seed: int = 0, error_feedback: bool = True) -> None:
         self.density = check_fraction(self.scheme, "density", density)
         self.seed = check_integer(self.scheme, "seed", seed, 0)
         super().__init__(error_feedback)
