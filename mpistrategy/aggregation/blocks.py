@@ -25,6 +25,12 @@ def as_blocks(values: torch.Tensor, block_size: int, pad_with_last: bool = False
     return values.view(-1, block_size)
 
 
-def per_element(per_block: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
-    """Each block's value repeated over its elements: ``(..., blocks)`` -> ``(..., numel)``."""
-    return per_block.repeat_interleave(block_size, dim=-1)[..., :numel]
+def as_padded_blocks(codes: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """One rank's flat per-element codes as ``(blocks, block_size)`` in ``dtype``, the last block padded with
+    zeros (decoded padding is cut off by :func:`flat`)."""
+    return as_blocks(codes.to(dtype), block_size)
+
+
+def flat(blocks: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` elements of ``(blocks, block_size)`` values: the bucket without the padding."""
+    return blocks.reshape(-1)[:numel]

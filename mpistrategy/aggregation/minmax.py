@@ -24,7 +24,7 @@ import torch
 
 from mpistrategy.aggregation.base import GradBucket
 from mpistrategy.aggregation.bits import WireFormat, pack_bits, packed_nbytes, unpack_bits
-from mpistrategy.aggregation.blocks import as_blocks, block_count, per_element
+from mpistrategy.aggregation.blocks import as_blocks, as_padded_blocks, block_count, flat
 from mpistrategy.aggregation.compression import working_dtype
 from mpistrategy.aggregation.gathered import GatheredCompressor
 from mpistrategy.aggregation.options import check_integer
@@ -61,27 +61,23 @@ class MinMaxQuantization(GatheredCompressor):
 
     def encode(self, values: torch.Tensor, bucket: GradBucket) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         blocks = as_blocks(values, self.block_size, pad_with_last=True)
-        low, high = blocks.min(dim=1).values, blocks.max(dim=1).values
+        low, high = torch.aminmax(blocks, dim=1)
         step = (high - low) / self.top
         inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-        codes = ((blocks - low[:, None]) * inverse[:, None]).round_().clamp_(0, self.top).reshape(-1)[: values.numel()]
-        parts = {"low": low, "high": high, "codes": pack_bits(codes.to(torch.uint8), self.bits)}
+        codes = (blocks - low[:, None]).mul_(inverse[:, None]).round_().clamp_(0, self.top)
+        parts = {"low": low, "high": high, "codes": pack_bits(flat(codes, values.numel()).to(torch.uint8), self.bits)}
         if not self.error_feedback:
             return parts, None
-        return parts, values.sub_(self.decode(low, high, codes, values.numel()))
-
-    def decode(self, low: torch.Tensor, high: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
-        """``lo + c * step`` for one rank's blocks (flat, ``numel`` elements)."""
-        step = (high - low) / self.top
-        return torch.addcmul(
-            per_element(low, self.block_size, numel), codes.to(low.dtype), per_element(step, self.block_size, numel)
-        )
+        decoded = torch.addcmul(low[:, None], codes, step[:, None])
+        return parts, values.sub_(flat(decoded, values.numel()))
 
     def combine(self, fields: dict[str, torch.Tensor], bucket: GradBucket) -> torch.Tensor:
         numel = bucket.buffer.numel()
         low, high = fields["low"], fields["high"]
+        steps = (high - low) / self.top
         codes = unpack_bits(fields["codes"], self.bits, numel)
-        combined = torch.zeros(numel, dtype=low.dtype, device=low.device)
+        combined = torch.zeros(low.shape[1], self.block_size, dtype=low.dtype, device=low.device)
         for rank in range(low.shape[0]):
-            combined.add_(self.decode(low[rank], high[rank], codes[rank], numel))
-        return combined.mul_(1.0 / low.shape[0])
+            combined.add_(low[rank][:, None])
+            combined.addcmul_(as_padded_blocks(codes[rank], self.block_size, low.dtype), steps[rank][:, None])
+        return flat(combined, numel).mul_(1.0 / low.shape[0])

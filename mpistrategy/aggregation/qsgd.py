@@ -27,7 +27,7 @@ import torch
 
 from mpistrategy.aggregation.base import AggregationContext, GradBucket
 from mpistrategy.aggregation.bits import WireFormat, pack_bits, packed_nbytes, unpack_bits
-from mpistrategy.aggregation.blocks import as_blocks, block_count, per_element
+from mpistrategy.aggregation.blocks import as_blocks, as_padded_blocks, block_count, flat
 from mpistrategy.aggregation.compression import working_dtype
 from mpistrategy.aggregation.gathered import GatheredCompressor
 from mpistrategy.aggregation.options import check_integer
@@ -82,26 +82,25 @@ class QSGD(GatheredCompressor):
         )
 
     def encode(self, values: torch.Tensor, bucket: GradBucket) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        numel = values.numel()
         blocks = as_blocks(values, self.block_size)
         norms = torch.linalg.vector_norm(blocks, dim=1)
         scale = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
-        magnitudes = (values.abs() * per_element(scale, self.block_size, numel)).clamp_(max=self.levels)
-        lower = magnitudes.floor()
-        draws = torch.rand(numel, generator=self.generator, dtype=values.dtype).to(values.device)
-        rounded = lower + (draws < magnitudes - lower).to(values.dtype)
-        codes = torch.where(values < 0, -rounded, rounded).add_(self.levels).to(torch.uint8)
-        return {"norms": norms, "codes": pack_bits(codes, self.width)}, None
+        fractions = blocks.abs().mul_(scale[:, None]).clamp_(max=self.levels)  # a_i, in [0, s]
+        lower = fractions.floor()
+        draws = torch.rand(blocks.shape, generator=self.generator, dtype=blocks.dtype).to(blocks.device)
+        rounded = (draws < fractions.sub_(lower)).to(blocks.dtype).add_(lower)  # xi_i
+        codes = torch.copysign(rounded, blocks).add_(self.levels).to(torch.uint8)  # -0 levels: code s, as +0
+        return {"norms": norms, "codes": pack_bits(flat(codes, values.numel()), self.width)}, None
 
     def combine(self, fields: dict[str, torch.Tensor], bucket: GradBucket) -> torch.Tensor:
         numel = bucket.buffer.numel()
         norms = fields["norms"]
-        combined = torch.zeros(numel, dtype=norms.dtype, device=norms.device)
         codes = unpack_bits(fields["codes"], self.width, numel)
+        combined = torch.zeros(norms.shape[1], self.block_size, dtype=norms.dtype, device=norms.device)
         for rank in range(norms.shape[0]):
-            levels = codes[rank].to(norms.dtype).sub_(self.levels)
-            combined.addcmul_(levels, per_element(norms[rank], self.block_size, numel))
-        return combined.mul_(1.0 / (self.levels * norms.shape[0]))
+            levels = as_padded_blocks(codes[rank], self.block_size, norms.dtype).sub_(self.levels)
+            combined.addcmul_(levels, norms[rank][:, None])
+        return flat(combined, numel).mul_(1.0 / (self.levels * norms.shape[0]))
 
     @property
     def has_state(self) -> bool:

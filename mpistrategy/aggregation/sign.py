@@ -25,7 +25,7 @@ from mpistrategy.aggregation.base import GradBucket
 from mpistrategy.aggregation.bits import WireFormat
 from mpistrategy.aggregation.compression import working_dtype
 from mpistrategy.aggregation.gathered import GatheredCompressor
-from mpistrategy.aggregation.signs import mean_magnitudes, per_parameter, sign_bits, signs
+from mpistrategy.aggregation.signs import mean_magnitudes, per_parameter, sign_bits, signs, unit_signs
 
 
 class ScaledSign(GatheredCompressor):
@@ -56,10 +56,12 @@ class ScaledSign(GatheredCompressor):
         parts = {"scales": scales, "signs": sign_bits(values)}
         if not self.error_feedback:
             return parts, None
-        compressed = torch.where(values >= 0, 1.0, -1.0).to(values.dtype).mul_(per_parameter(scales, bucket))
-        return parts, values.sub_(compressed)
+        return parts, values.sub_(unit_signs(values).mul_(per_parameter(scales, bucket)))
 
     def combine(self, fields: dict[str, torch.Tensor], bucket: GradBucket) -> torch.Tensor:
         scales = fields["scales"]
         directions = signs(fields["signs"], bucket.buffer.numel(), scales.dtype)
-        return (directions * per_parameter(scales, bucket)).sum(0).mul_(1.0 / scales.shape[0])
+        combined = torch.zeros_like(directions[0])
+        for rank in range(scales.shape[0]):
+            combined.addcmul_(directions[rank], per_parameter(scales[rank], bucket))
+        return combined.mul_(1.0 / scales.shape[0])

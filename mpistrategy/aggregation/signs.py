@@ -18,6 +18,11 @@ def sign_bits(values: torch.Tensor) -> torch.Tensor:
     return pack_bits(values >= 0, 1)
 
 
+def unit_signs(values: torch.Tensor) -> torch.Tensor:
+    """The signs the bits of :func:`sign_bits` stand for: +1 where ``values >= 0``, else -1, in ``values``' dtype."""
+    return (values >= 0).to(values.dtype).mul_(2).sub_(1)
+
+
 def signs(streams: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The signs (+1 or -1, in ``dtype``) encoded in packed sign bits: ``(..., nbytes)`` -> ``(..., numel)``."""
     return unpack_bits(streams, 1, numel).to(dtype).mul_(2).sub_(1)
@@ -25,11 +30,9 @@ def signs(streams: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor
 
 def mean_magnitudes(values: torch.Tensor, bucket: GradBucket) -> torch.Tensor:
     """``||v_s||_1 / n_s`` for every parameter segment ``s`` of the bucket (one value per parameter)."""
-    lengths = torch.tensor(bucket.numels, device=values.device)
-    return torch.segment_reduce(values.abs(), "mean", lengths=lengths)
+    return torch.stack([segment.abs().mean() for segment in values.split(bucket.numels)])
 
 
 def per_parameter(scales: torch.Tensor, bucket: GradBucket) -> torch.Tensor:
-    """Each parameter's value repeated over its segment: ``(..., parameters)`` -> ``(..., numel)``."""
-    lengths = torch.tensor(bucket.numels, device=scales.device)
-    return scales.repeat_interleave(lengths, dim=-1)
+    """Each parameter's value repeated over its segment: ``(parameters,)`` -> ``(numel,)``."""
+    return torch.cat([scale.expand(numel) for scale, numel in zip(scales, bucket.numels, strict=True)])

@@ -348,8 +348,11 @@ def test_on_exactly_representable_gradients_the_lossy_schemes_are_the_mean(make)
     setup(aggregator, buckets)
     inputs = [_lossless_inputs(b, seed=1) for b in buckets]
     combine(aggregator, buckets, [x[RANK] for x in inputs])
+    tolerance = 2e-7
+    if isinstance(aggregator, LowPrecision) and SIZE & (SIZE - 1):  # dividing by 3 first rounds in half precision
+        tolerance = 2.0**-10 if aggregator.dtype == "float16" else 2.0**-7
     for got, want in zip([b.buffer for b in buckets], _mean_result(inputs), strict=True):
-        torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=0)
 
 
 @pytest.mark.mpi(ranks=(1, 2, 3, 4), timeout=60)
