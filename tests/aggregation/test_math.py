@@ -43,6 +43,19 @@ def _mean_result(inputs: list[list[torch.Tensor]], dtype: torch.dtype = torch.fl
     return [b.buffer.clone() for b in reference]
 
 
+def _rounds(aggregator, buckets, count: int):
+    """Combine ``count`` rounds of fixed inputs; yield each round's inputs (per bucket, every rank's) after it."""
+    for round_ in range(count):
+        inputs = _inputs(buckets, round_)
+        combine(aggregator, buckets, [x[RANK] for x in inputs])
+        yield inputs
+
+
+def _zero_residuals(buckets) -> dict[int, list[torch.Tensor]]:
+    """Per bucket, every rank's residual before the first round."""
+    return {b.index: [torch.zeros(b.buffer.numel()) for _ in range(SIZE)] for b in buckets}
+
+
 def _same_on_all_ranks(tensors: list[torch.Tensor]) -> None:
     mine = torch.cat([t.reshape(-1).double() for t in tensors])
     for rank, other in enumerate(COMM.allgather(mine)):
@@ -58,13 +71,11 @@ def test_topk_sends_exactly_k_pairs_and_keeps_the_residual() -> None:
     buckets = _buckets()
     aggregator = TopK(density=density)
     traffic = setup(aggregator, buckets)
-    residuals = [torch.zeros(b.buffer.numel()) for b in buckets]  # rank r's, rebuilt here for every rank
-    every_residual = [[torch.zeros(b.buffer.numel()) for _ in range(SIZE)] for b in buckets]
-    for round_ in range(3):
-        inputs = _inputs(buckets, round_)
-        combine(aggregator, buckets, [x[RANK] for x in inputs])
+    every_residual = _zero_residuals(buckets)  # rebuilt here for every rank
+    for inputs in _rounds(aggregator, buckets, 3):
         expected_bytes = 0
-        for b, xs, previous in zip(buckets, inputs, every_residual, strict=True):
+        for b, xs in zip(buckets, inputs, strict=True):
+            previous = every_residual[b.index]
             n = b.buffer.numel()
             k = math.ceil(density * n)
             expected_bytes += 2 * (-(-4 * k // 8) * 8)  # k int32 indices and k float32 values, 8-byte aligned
@@ -77,10 +88,10 @@ def test_topk_sends_exactly_k_pairs_and_keeps_the_residual() -> None:
                 previous[rank][top] = 0
             torch.testing.assert_close(b.buffer, combined / SIZE, rtol=1e-6, atol=1e-7)
         assert traffic.take() == (expected_bytes, 0)
-        for b, theirs in zip(buckets, every_residual, strict=True):
-            residuals[b.index] = aggregator.memory.residual(b)
-            assert torch.count_nonzero(residuals[b.index]) == b.buffer.numel() - math.ceil(density * b.buffer.numel())
-            torch.testing.assert_close(residuals[b.index], theirs[RANK], rtol=1e-6, atol=1e-7)
+        for b in buckets:
+            mine = aggregator.memory.residual(b)
+            assert torch.count_nonzero(mine) == b.buffer.numel() - math.ceil(density * b.buffer.numel())
+            torch.testing.assert_close(mine, every_residual[b.index][RANK], rtol=1e-6, atol=1e-7)
     _same_on_all_ranks([b.buffer for b in buckets])
 
 
@@ -95,10 +106,8 @@ def test_randomk_picks_the_same_indices_on_every_rank(error_feedback: bool) -> N
     aggregator = RandomK(density=density, seed=7, error_feedback=error_feedback)
     traffic = setup(aggregator, buckets)
     draws = np.random.Generator(np.random.PCG64(7))  # the same stream, drawn here
-    residual = {b.index: [torch.zeros(b.buffer.numel()) for _ in range(SIZE)] for b in buckets}
-    for round_ in range(2):
-        inputs = _inputs(buckets, round_)
-        combine(aggregator, buckets, [x[RANK] for x in inputs])
+    residual = _zero_residuals(buckets)
+    for inputs in _rounds(aggregator, buckets, 2):
         sent = 0
         for b, xs in zip(buckets, inputs, strict=True):
             n = b.buffer.numel()
@@ -184,10 +193,8 @@ def test_scaled_sign_sends_signs_and_mean_magnitudes_with_error_feedback() -> No
     buckets = _buckets()
     aggregator = ScaledSign()
     traffic = setup(aggregator, buckets)
-    residual = {b.index: [torch.zeros(b.buffer.numel()) for _ in range(SIZE)] for b in buckets}
-    for round_ in range(2):
-        inputs = _inputs(buckets, round_)
-        combine(aggregator, buckets, [x[RANK] for x in inputs])
+    residual = _zero_residuals(buckets)
+    for inputs in _rounds(aggregator, buckets, 2):
         sent = 0
         for b, xs in zip(buckets, inputs, strict=True):
             compressed = []

@@ -57,6 +57,16 @@ def _round(aggregator, buckets, seed: int) -> torch.Tensor:
     return torch.cat([b.buffer.clone() for b in buckets])
 
 
+def _trained(make, rounds: int = 1):
+    """A set-up aggregator after ``rounds`` rounds, and its state as every rank reads it from a checkpoint (rank
+    0's)."""
+    aggregator = make()
+    setup(aggregator, _buckets())
+    for seed in range(rounds):
+        _round(aggregator, aggregator.context.buckets, seed)
+    return aggregator, COMM.bcast(aggregator.state_dict(), root=0)
+
+
 def _plain(value: Any) -> bool:
     """Whether ``value`` is built from plain Python values and tensors only."""
     if isinstance(value, dict):
@@ -107,10 +117,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
 def test_residuals_are_stored_per_parameter_and_survive_another_bucketing() -> None:
-    original = TopK(density=0.2)
-    setup(original, _buckets())
-    _round(original, original.context.buckets, 0)
-    state = COMM.bcast(original.state_dict(), root=0)
+    _, state = _trained(lambda: TopK(density=0.2))
     residuals = state["ranks"][RANK]["residuals"]
     assert sorted(residuals) == ["b0.p0", "b0.p1", "b0.p2", "b1.p0"]
     assert [residuals[f"b0.p{j}"].numel() for j in range(3)] == [60, 10, 20]
@@ -130,10 +137,7 @@ def test_residuals_are_stored_per_parameter_and_survive_another_bucketing() -> N
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
 def test_another_world_size_or_scheme_is_refused_on_every_rank() -> None:
-    aggregator = PowerSGD(start_iter=0)
-    setup(aggregator, _buckets())
-    _round(aggregator, aggregator.context.buckets, 0)
-    state = COMM.bcast(aggregator.state_dict(), root=0)
+    _, state = _trained(lambda: PowerSGD(start_iter=0))
     wider = {**state, "world_size": SIZE + 1, "ranks": {r: state["ranks"][0] for r in range(SIZE + 1)}}
     early = PowerSGD(start_iter=0)
     early.load_state_dict(wider)  # kept until setup, which refuses it

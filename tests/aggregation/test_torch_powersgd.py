@@ -5,7 +5,6 @@ same epochs within 1 point."""
 from __future__ import annotations
 
 import gc
-import socket
 
 import pytest
 import torch
@@ -17,18 +16,14 @@ from mpistrategy.aggregation import PowerSGD
 from recipes.data import load_digits_split
 from tests.aggregation.digits import digits_mlp, rank_batches, train_digits
 from tests.aggregation.helpers import COMM, SIZE
+from tests.strategy.helpers import shared_tmpdir
 
 EPOCHS, RANK_R, START = 10, 1, 10
 
 
-def _init_gloo() -> None:
-    port = None
-    if COMM.rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    port = COMM.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=COMM.rank, world_size=SIZE)
+def _init_gloo(directory: str) -> None:
+    """torch.distributed over gloo on this MPI job's ranks, meeting through a file in a shared ``directory``."""
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=COMM.rank, world_size=SIZE)
 
 
 def _train_with_torch_hook() -> tuple[float, float, nn.Module]:
@@ -66,7 +61,7 @@ def _train_with_torch_hook() -> tuple[float, float, nn.Module]:
 @pytest.mark.mpi(ranks=(2,), timeout=240)
 def test_powersgd_matches_torchs_hook_in_bytes_and_accuracy() -> None:
     accuracies, ours = train_digits(PowerSGD(rank=RANK_R, start_iter=START, min_compression_rate=2, seed=0), EPOCHS)
-    _init_gloo()
+    _init_gloo(shared_tmpdir())
     try:
         theirs_accuracy, theirs, model = _train_with_torch_hook()
         dist.barrier()
