@@ -12,7 +12,7 @@ Per block of ``block_size`` consecutive elements ``v`` of a bucket (the last blo
 Rounding to the nearest level is biased; error feedback (on by default) sends the rounding errors in later steps.
 A block whose values are all equal (``step = 0``) is sent exactly. The combined bucket is the mean over ranks of the
 decoded vectors. Each rank's grid differs, so the messages are gathered (one allgather per bucket): a rank sends
-``ceil(n * bits / 8) + 2 * ceil(n / block_size) * itemsize`` bytes (8 bits, blocks of 1024, float32: 25.8% of the
+``ceil(n * bits / 8) + 2 * ceil(n / block_size) * itemsize`` bytes (8 bits, blocks of 1024, float32: 25.2% of the
 dense mean's bytes).
 """
 

@@ -12,8 +12,8 @@ Per block of ``d = block_size`` consecutive elements ``v`` of a bucket (the last
 ``min(d / s**2, sqrt(d) / s) ||v||**2`` per block (the paper's Lemma 3.1), which is why blocks are small. The
 combined bucket is the mean over ranks of the decoded vectors, ``(1/P) sum_r v^_r``, an unbiased estimate of the
 mean gradient; no error feedback is needed. Each rank's codes and norms differ, so they are gathered (one allgather
-per bucket): a rank sends ``ceil(n * bits / 8) + ceil(n / d) * itemsize`` bytes (``levels=127``: 8 bits, a quarter
-of float32's bytes plus 0.8% for the norms at ``d = 512``). Each rank's rounding generator (seeded from ``seed`` and
+per bucket): a rank sends ``ceil(n * bits / 8) + ceil(n / d) * itemsize`` bytes (``levels=127``: 8 bits; with the
+norms at ``d = 512``, 25.2% of float32's bytes). Each rank's rounding generator (seeded from ``seed`` and
 its world rank) is part of the checkpoint.
 """
 
