@@ -182,6 +182,93 @@ class MeanAggregationConf:
     _target_: str = "mpistrategy.aggregation.MeanAggregator"
 
 
+@dataclass
+class LowPrecisionAggregationConf:
+    """Average in a narrower float type on the wire (``mpistrategy.aggregation.LowPrecision``)."""
+
+    _target_: str = "mpistrategy.aggregation.LowPrecision"
+    #: float16, bfloat16, or float32 (compresses float64 gradients; the plain mean for float32 ones)
+    dtype: str = "float16"
+
+
+@dataclass
+class TopKAggregationConf:
+    """The largest entries as (index, value) pairs, with error feedback (``mpistrategy.aggregation.TopK``)."""
+
+    _target_: str = "mpistrategy.aggregation.TopK"
+    #: share of each bucket's elements sent, in (0, 1]
+    density: float = 0.01
+    error_feedback: bool = True
+
+
+@dataclass
+class RandomKAggregationConf:
+    """A random subset shared by all ranks, with error feedback (``mpistrategy.aggregation.RandomK``)."""
+
+    _target_: str = "mpistrategy.aggregation.RandomK"
+    #: share of each bucket's elements sent, in (0, 1]
+    density: float = 0.1
+    seed: int = 0
+    error_feedback: bool = True
+
+
+@dataclass
+class QSGDAggregationConf:
+    """Unbiased stochastic quantisation (``mpistrategy.aggregation.QSGD``)."""
+
+    _target_: str = "mpistrategy.aggregation.QSGD"
+    #: levels per sign, 1 to 127
+    levels: int = 127
+    #: elements per norm
+    block_size: int = 512
+    seed: int = 0
+
+
+@dataclass
+class MinMaxAggregationConf:
+    """``bits``-bit codes on each block's [min, max], with error feedback
+    (``mpistrategy.aggregation.MinMaxQuantization``)."""
+
+    _target_: str = "mpistrategy.aggregation.MinMaxQuantization"
+    #: bits per element, 1 to 8
+    bits: int = 8
+    #: elements per (min, max) pair
+    block_size: int = 1024
+    error_feedback: bool = True
+
+
+@dataclass
+class SignAggregationConf:
+    """Scaled sign with error feedback, EF-SignSGD (``mpistrategy.aggregation.ScaledSign``)."""
+
+    _target_: str = "mpistrategy.aggregation.ScaledSign"
+    error_feedback: bool = True
+
+
+@dataclass
+class MajorityVoteAggregationConf:
+    """signSGD with majority vote (``mpistrategy.aggregation.MajorityVote``)."""
+
+    _target_: str = "mpistrategy.aggregation.MajorityVote"
+    #: multiply the vote by each parameter's mean magnitude over the ranks
+    scaled: bool = True
+
+
+@dataclass
+class PowerSGDAggregationConf:
+    """Rank-``rank`` approximation of every matrix gradient (``mpistrategy.aggregation.PowerSGD``)."""
+
+    _target_: str = "mpistrategy.aggregation.PowerSGD"
+    #: approximation rank, >= 1
+    rank: int = 1
+    #: rounds of plain averaging before compression starts
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    warm_start: bool = True
+    error_feedback: bool = True
+    seed: int = 0
+
+
 # --- model and optimizer ----------------------------------------------------------------------------------------------
 
 
@@ -418,7 +505,17 @@ _SCHEMAS: dict[str, dict[str, type]] = {
         "daso": DASOStrategyConf,
         "gossip": GossipStrategyConf,
     },
-    "aggregation": {"mean": MeanAggregationConf},
+    "aggregation": {
+        "mean": MeanAggregationConf,
+        "low_precision": LowPrecisionAggregationConf,
+        "topk": TopKAggregationConf,
+        "randomk": RandomKAggregationConf,
+        "qsgd": QSGDAggregationConf,
+        "minmax": MinMaxAggregationConf,
+        "sign": SignAggregationConf,
+        "majority_vote": MajorityVoteAggregationConf,
+        "powersgd": PowerSGDAggregationConf,
+    },
     "model": {"mlp": MLPConf, "cnn": CNNConf, "tp_mlp": TensorParallelMLPConf, "pipeline_mlp": PipelineMLPConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
     "scheduler": {"cosine": CosineSchedulerConf, "step": StepSchedulerConf},
