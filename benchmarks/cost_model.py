@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import socket
 import statistics
 import sys
 import time
@@ -101,10 +102,11 @@ def _sweep_worker() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=world.rank, world_size=world.size)
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
     leaders = world.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, key=world.rank)
+    stream = _tcp_stream(world)
     results: dict[str, dict[int, float]] = {}
     for nbytes in SWEEP_SIZES:
         send = np.ones(nbytes // 4, dtype=np.float32)
-        for name, (takes_part, run) in _patterns(world, node, leaders, send, np.empty_like(send)).items():
+        for name, (takes_part, run) in _patterns(world, node, leaders, stream, send, np.empty_like(send)).items():
             samples = []
             for repetition in range(_repetitions(nbytes) + 1):
                 _idle_wait(world)
@@ -115,11 +117,34 @@ def _sweep_worker() -> None:
                     samples.append(slowest)
             results.setdefault(name, {})[nbytes] = statistics.median(samples)
     dist.destroy_process_group()
+    if stream is not None:
+        stream.close()
     if world.rank == 0:
         print(SWEEP_PREFIX + json.dumps(results), flush=True)
 
 
-def _patterns(world, node, leaders, send, receive) -> dict[str, tuple[bool, Any]]:
+def _tcp_stream(world) -> socket.socket | None:
+    """A plain TCP connection between rank 0 (node 0) and rank 2 (node 1) through the link: the floor under MPI's
+    and gloo's transports (``None`` on the other ranks)."""
+    listener = port = None
+    if world.rank == 2:
+        listener = socket.create_server(("", 0))
+        port = listener.getsockname()[1]
+    port = world.bcast(port, root=2)
+    host = world.bcast(socket.gethostname() if world.rank == 2 else None, root=2)
+    connection = None
+    if world.rank == 0:
+        connection = socket.create_connection((host, port))
+    world.Barrier()
+    if listener is not None:
+        connection, _ = listener.accept()
+        listener.close()
+    if connection is not None:
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return connection
+
+
+def _patterns(world, node, leaders, stream, send, receive) -> dict[str, tuple[bool, Any]]:
     """Per pattern: whether this rank takes part, and the call that returns its seconds."""
     import torch
     import torch.distributed as dist
@@ -149,6 +174,19 @@ def _patterns(world, node, leaders, send, receive) -> dict[str, tuple[bool, Any]
             dist.send(tensors[0], dst=peer)
         return (time.perf_counter() - start) / 2
 
+    def stream_once() -> float:
+        """Rank 0 streams the message, rank 2 answers one byte when all of it arrived."""
+        start = time.perf_counter()
+        if rank == 0:
+            stream.sendall(memoryview(send).cast("B"))
+            stream.recv(1)
+        else:
+            view, got = memoryview(receive).cast("B"), 0
+            while got < len(view):
+                got += stream.recv_into(view[got:])
+            stream.sendall(b"k")
+        return time.perf_counter() - start
+
     def timed(call) -> float:
         start = time.perf_counter()
         call()
@@ -159,6 +197,7 @@ def _patterns(world, node, leaders, send, receive) -> dict[str, tuple[bool, Any]
         "p2p_link_shared": (True, lambda: pingpong(rank ^ 2, rank < RANKS_PER_NODE)),  # 0 <-> 2 and 1 <-> 3 at once
         "p2p_node": (rank in (0, 1), lambda: pingpong(1 - rank, rank == 0)),  # inside node 0
         "p2p_link_gloo": (rank in (0, 2), lambda: pingpong_gloo(2 - rank, rank == 0)),  # torch.distributed's TCP
+        "tcp_stream_link": (rank in (0, 2), stream_once),  # a plain socket
         "allreduce_world": (True, lambda: timed(lambda: world.Allreduce(send, receive))),
         "allreduce_leaders": (leaders != MPI.COMM_NULL, lambda: timed(lambda: leaders.Allreduce(send, receive))),
         "allreduce_node": (True, lambda: timed(lambda: node.Allreduce(send, receive))),  # both nodes at once
@@ -465,6 +504,13 @@ def project(benchmark: dict[str, Any], net: Network, compute: float) -> dict[str
     return table
 
 
+def tcp_floor_gbit(seconds: dict[str, dict[int, float]]) -> float | None:
+    """The bandwidth of a plain TCP stream between the nodes (Gbit/s): what no transport over the link can beat."""
+    if "tcp_stream_link" not in seconds:
+        return None
+    return 8 / fit_affine(seconds["tcp_stream_link"])[1] / 1e9
+
+
 def sweep_check(seconds: dict[str, dict[int, float]], net: Network) -> dict[str, dict[int, dict[str, float]]]:
     """The fitted formulas against every measured sweep point (ms)."""
     layout = Layout(NODES, RANKS_PER_NODE)
@@ -478,6 +524,9 @@ def sweep_check(seconds: dict[str, dict[int, float]], net: Network) -> dict[str,
         "allreduce_leaders": lambda n: leaders_allreduce(net, n, layout),
         "allreduce_world": lambda n: flat_allreduce(net, n, layout),
     }
+    if "tcp_stream_link" in seconds:  # the floor: a plain TCP stream, fitted on its own
+        latency, per_byte = fit_affine(seconds["tcp_stream_link"])
+        formulas["tcp_stream_link"] = lambda n: latency + n * per_byte
     return {
         name: {n: {"measured_ms": t * 1e3, "model_ms": formulas[name](n) * 1e3} for n, t in points.items()}
         for name, points in seconds.items()
@@ -505,6 +554,7 @@ def markdown(payload: dict[str, Any]) -> str:
         f"| shared-memory latency alpha_s | {net['alpha_s'] * 1e6:.0f} us |",
         f"| shared-memory bandwidth beta_s | {net['beta_s'] / 1e9:.2f} GB/s |",
         f"| float32 sum gamma | {net['gamma'] * 1e9:.2f} ns/byte |",
+        f"| a plain TCP stream between the nodes (the floor) | {_gbit(payload['tcp_stream_gbit_per_s'])} |",
         f"| link latency over gloo's TCP (DDP) | {net['alpha_gloo'] * 1e6:.0f} us |",
         f"| link bandwidth over gloo's TCP (DDP) | {net['beta_gloo'] * 8 / 1e9:.3f} Gbit/s |",
         f"| compute per step (local_sgd's median step) | {payload['compute_ms']:.0f} ms |",
@@ -537,6 +587,10 @@ def markdown(payload: dict[str, Any]) -> str:
         for name, row in table.items():
             lines.append(f"| {name} | " + " | ".join(f"{row[str(n)]:.0f}" for n in PROJECTED_NODES) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _gbit(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.3f} Gbit/s"
 
 
 def _size(nbytes: int) -> str:
@@ -602,6 +656,7 @@ def main() -> None:
     loads = sorted(round(load, 1) for r in benchmark["rounds"] for load in (r["load_before"][0], r["load_after"][0]))
     payload = json.loads(json.dumps({  # str keys throughout, as the JSON file has them
         "network": asdict(net),
+        "tcp_stream_gbit_per_s": tcp_floor_gbit(seconds),
         "compute_ms": compute * 1e3,
         "sweeps": sweeps,
         "sweep_check": sweep_check(seconds, net),

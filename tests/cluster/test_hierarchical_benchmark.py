@@ -81,6 +81,7 @@ def test_the_cost_model_recovers_known_links_and_writes_its_tables(tmp_path: Pat
         "p2p_link": lambda n: truth.alpha + n / truth.beta,
         "p2p_link_shared": lambda n: truth.alpha + n / truth.beta_shared,
         "p2p_link_gloo": lambda n: truth.alpha_gloo + n / truth.beta_gloo,
+        "tcp_stream_link": lambda n: 50e-6 + n / 100e6,
         "p2p_node": lambda n: truth.alpha_s + n / truth.beta_s,
         "allreduce_node": lambda n: cost_model.node_allreduce(truth, n, layout),
         "bcast_node": lambda n: cost_model.node_broadcast(truth, n, layout),
@@ -115,6 +116,7 @@ def test_the_cost_model_recovers_known_links_and_writes_its_tables(tmp_path: Pat
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     payload = json.loads((tmp_path / "cost_model.json").read_text())
     assert all(abs(row["error"]) < 1e-6 for row in payload["check"].values()), payload["check"]
+    assert payload["tcp_stream_gbit_per_s"] == pytest.approx(0.8)
     projection = payload["projection"]
     assert set(projection) == {"10 Gbit/s", "100 Gbit/s", "200 Gbit/s"}
     for table in projection.values():
