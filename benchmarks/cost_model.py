@@ -8,15 +8,19 @@ Inputs (all measured here):
 
 1. Sweeps (``--measure``; one MPI job of 2 nodes x 2 ranks over the benchmark's link rate, float32 messages of
    1 KB to 64 MB, the median of several repetitions each; ranks not taking part wait in an ``Ibarrier`` polled with
-   sleeps, so that they take no CPU): ping-pong between the nodes (one pair, and both pairs at once through the
-   same links), ping-pong inside a node, and for checking, allreduce over all 4 ranks, over the 2 node leaders and
+   sleeps, so that they take no CPU): MPI ping-pong between the nodes (one pair, and both pairs at once through the
+   same links), over gloo between the nodes, and inside a node; a plain TCP stream between the nodes (the floor
+   under every transport); and for checking the formulas, allreduce over all 4 ranks, over the 2 node leaders and
    inside both nodes at once, and broadcast inside both nodes.
-2. From the sweeps, least squares on relative error (every message size weighs alike):
+2. From the sweeps: the latency from the messages up to 64 KB (the median of ``t - n / beta``), the bandwidth by
+   least squares on the messages from 1 MB up:
 
-   - link: ``t_p2p(n) = alpha + n / beta`` (one way, half a round trip) between nodes; ``beta_shared`` the same
-     with both pairs crossing the links at once (what each of ``L`` concurrent streams gets);
-   - node (shared memory): ``t(n) = alpha_s + n / beta_s`` inside a node;
-   - reduction: ``gamma`` seconds per byte summed, from the node allreduce, ``t = alpha_s + n / beta_s + n gamma``.
+   - link: ``t(n) = alpha + n / beta`` one way (half a round trip) between nodes over MPI; ``beta_shared`` the
+     same with both pairs crossing the links at once (what each of a node's ranks gets when all send);
+     ``alpha_gloo, beta_gloo`` over gloo's TCP (Lightning DDP's transport);
+   - node (shared memory): ``t(n) = alpha_s + n / beta_s``;
+   - reduction: ``gamma`` seconds per byte summed, fitted so that the allreduce formula below matches the measured
+     node allreduce from 1 MB up (least squares on relative error).
 
 3. From the benchmark (hierarchical.json): per contender the bytes each rank sent per step by scope (the strategy's
    traffic counters: payload bytes, see mpistrategy/comm/traffic.py), the gradient buckets (messages per step),
@@ -26,21 +30,20 @@ Inputs (all measured here):
 The collectives' costs, for ``n`` bytes, ``N`` nodes of ``L`` ranks, ``P = N L`` (Thakur, Rabenseifner and Gropp,
 "Optimization of collective communication operations in MPICH", 2005), with ``lg = ceil(log2)``:
 
-- inter-node allreduce among ``N`` leaders, the cheapest of recursive doubling ``lg N (alpha + n/beta + n gamma)``,
-  ring ``2 (N-1) alpha + (N-1)/N n (2/beta + gamma)`` and Rabenseifner (reduce-scatter by recursive halving,
-  allgather by doubling) ``2 lg N alpha + (N-1)/N n (2/beta + gamma)``;
-- node allreduce (``L`` ranks, shared memory): the same formulas with ``alpha_s, beta_s``; node broadcast (binomial
-  tree) ``lg L (alpha_s + n / beta_s)``;
-- flat allreduce over ``P`` ranks (MPICH, node-major ranks, Rabenseifner): its first ``lg L`` steps stay inside the
-  node (a node allreduce's cost) and its last ``lg N`` steps cross the links with ``L`` ranks per link sending
-  ``n / L`` each, as much per link as the leaders' allreduce of ``n``: node allreduce + inter-node allreduce;
-- flat ring over ``P`` ranks (gloo, Lightning DDP): ``2 (P-1)`` steps of ``n/P`` bytes, each as slow as its
-  inter-node hop, ``2 (P-1) (alpha + n/(P beta_shared) + n gamma / P)`` (every ring hop that crosses a link shares it
-  with the others on it only at ``N = 2``... the model takes ``beta_shared`` for all hops, as the measured sweep did);
-- hierarchical average (the modes' ``nodes`` route): node allreduce + inter-node allreduce + node broadcast;
-- gossip: every rank exchanges its model with its graph neighbours (non-blocking, both ways at once): on the
-  ring with node-major ranks two ranks per node have a neighbour on another node, ``alpha + m / beta_shared`` for
-  the link plus ``alpha_s + m / beta_s`` inside the node, whatever ``N``.
+- allreduce over ``p`` processes: the cheapest of recursive doubling ``lg p (alpha + n/beta + n gamma)``, ring
+  ``2 (p-1) alpha + (p-1)/p n (2/beta + gamma)`` and Rabenseifner (reduce-scatter by recursive halving, allgather
+  by doubling) ``2 lg p alpha + (p-1)/p n (2/beta + gamma)``: among the ``N`` node leaders with the link's
+  ``alpha, beta``, inside a node with ``alpha_s, beta_s``;
+- node broadcast (binomial tree): ``lg L (alpha_s + n / beta_s)``;
+- flat allreduce over ``P`` ranks (MPICH, node-major ranks, Rabenseifner): its first ``lg L`` steps stay inside
+  the node (a node allreduce) and its last ``lg N`` steps cross the links with the ``L`` ranks of a node sending
+  ``n / L`` each, as many bytes per link as the leaders' allreduce of ``n``: node allreduce + leaders' allreduce;
+- flat ring over ``P`` ranks (gloo's, Lightning DDP): ``2 (P-1)`` steps of ``n/P`` bytes, each as slow as its hop
+  between nodes: ``2 (P-1) (alpha_gloo + n / (P beta_gloo)) + (P-1)/P n gamma``;
+- hierarchical average (the modes' ``nodes`` route): node allreduce + leaders' allreduce + node broadcast;
+- gossip on the ring (node-major ranks): each rank swaps its model ``m`` with both neighbours at once; per node
+  the two boundary ranks share the link, the others swap in shared memory: ``max(alpha + m / beta_shared,
+  alpha_s + m / beta_s)``, whatever ``N``.
 
 Per contender, ms/step = compute + the cost of what it sends, taken from its counters (bytes per step) and its
 schedule (how many operations): ``flat`` one flat allreduce per bucket; ``hierarchical`` one hierarchical average
@@ -78,6 +81,8 @@ NODES, RANKS_PER_NODE = 2, 2
 PROJECTED_NODES = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 PROJECTED_RATES_GBIT = [10, 100, 200]
 CHECK_TOLERANCE = 0.25
+SMALL = 2**16  # bytes: messages up to this size fit the latency
+LARGE = 2**20  # bytes: messages from this size on fit the bandwidth
 
 
 def _repetitions(nbytes: int) -> int:
@@ -241,25 +246,24 @@ def measure_sweeps(rate: str) -> dict[str, Any]:
 
 
 def fit_affine(points: dict[int, float]) -> tuple[float, float]:
-    """``(a, b)`` of ``t = a + b n`` by least squares on relative error (weights ``1/t``), ``a, b >= 0``."""
-    sizes = sorted(points)
-    weights = [1.0 / points[n] for n in sizes]
-    # normal equations of min sum (w (a + b n - t))^2
-    s11 = sum(w * w for w in weights)
-    s12 = sum(w * w * n for w, n in zip(weights, sizes, strict=True))
-    s22 = sum(w * w * n * n for w, n in zip(weights, sizes, strict=True))
-    r1 = sum(w * w * points[n] for w, n in zip(weights, sizes, strict=True))
-    r2 = sum(w * w * n * points[n] for w, n in zip(weights, sizes, strict=True))
-    det = s11 * s22 - s12 * s12
-    a, b = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
-    if a < 0:  # no latency measurable: a line through the origin
-        a, b = 0.0, r2 / s22
-    return a, max(b, 1e-15)
+    """``(a, b)`` of ``t = a + b n`` (``a, b >= 0``): the per-byte cost ``b`` by least squares on the messages of
+    :data:`LARGE` bytes and more (where bandwidth rules), the latency ``a`` as the median of ``t - b n`` over the
+    messages up to :data:`SMALL` bytes (where it rules; a single fit over all sizes would let either end's noise
+    set the other's parameter)."""
+    large = [(n, t) for n, t in points.items() if n >= LARGE]
+    mean_n = sum(n for n, _ in large) / len(large)
+    mean_t = sum(t for _, t in large) / len(large)
+    b = sum((n - mean_n) * (t - mean_t) for n, t in large) / sum((n - mean_n) ** 2 for n, _ in large)
+    b = max(b, 1e-15)
+    a = max(statistics.median(t - b * n for n, t in points.items() if n <= SMALL), 0.0)
+    b = max(sum(n * (t - a) for n, t in large) / sum(n * n for n, _ in large), 1e-15)  # refit through the latency
+    return a, b
 
 
 def fit_gamma(points: dict[int, float], alpha_s: float, beta_s: float) -> float:
     """The seconds per byte of a sum that make :func:`allreduce` over a node's ranks fit the measured node
-    allreduce best (relative error, bounded search: the formula is piecewise linear in ``gamma``)."""
+    allreduce of :data:`LARGE` bytes and more best (relative error; a bounded search, as the formula is piecewise
+    linear in ``gamma``)."""
     from scipy.optimize import minimize_scalar
 
     largest = max(points)
@@ -267,7 +271,9 @@ def fit_gamma(points: dict[int, float], alpha_s: float, beta_s: float) -> float:
 
     def error(units: float) -> float:
         gamma = units * unit
-        return sum((allreduce(n, RANKS_PER_NODE, alpha_s, beta_s, gamma) / t - 1) ** 2 for n, t in points.items())
+        return sum(
+            (allreduce(n, RANKS_PER_NODE, alpha_s, beta_s, gamma) / t - 1) ** 2 for n, t in points.items() if n >= LARGE
+        )
 
     found = minimize_scalar(error, bounds=(0.0, 4.0), method="bounded", options={"xatol": 1e-10})
     return float(found.x) * unit

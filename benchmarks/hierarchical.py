@@ -348,6 +348,10 @@ def _plot_step_time(payload: dict[str, Any], path: Path) -> None:
         ax.plot([i] * len(rows[name]["rounds_ms"]), rows[name]["rounds_ms"], "k.", markersize=4)
         ax.annotate(f"{rows[name]['link_mb_per_step']:.0f} MB", (i, rows[name]["ms_per_step"]),
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
+    if "local_sgd" in rows:  # its steps between two averages send nothing: compute and the framework alone
+        floor = rows["local_sgd"]["median_step_ms"]
+        ax.axhline(floor, color="grey", linestyle="--", linewidth=0.8, label="a step that sends nothing")
+        ax.legend(fontsize=8, loc="upper left")
     ax.set_xticks(range(len(names)), names, rotation=25, ha="right")
     ax.set_ylabel("ms per step (bar: median over rounds; dots: rounds)")
     loads = ", ".join(f"{r['load_before'][0]:.0f}" for r in payload["rounds"])
