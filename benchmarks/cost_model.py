@@ -54,8 +54,9 @@ exchange per step; ``ddp`` one flat ring per bucket (DDP's 25 MB buckets). Nothi
 gradients of the 86 MB layer are ready only at the end of backward; DASO's and gossip's non-blocking transfers
 progress only inside MPI calls).
 
-Projection: the link's ``beta`` becomes the nominal rate (10, 100, 200 Gbit/s), ``alpha`` and everything inside a
-node stay as fitted here, and so does the compute time (per-rank batch fixed: weak scaling). Written as
+Projection: the link's ``beta`` becomes the nominal rate (10, 100, 200 Gbit/s; concurrent streams keep the share
+measured here), ``alpha`` stays as fitted (or ``--latency-us``), everything inside a node stays as fitted here,
+and so does the compute time (per-rank batch fixed: weak scaling). Written as
 cost_model.md (tables), cost_model.json and cost_model.png in ``--results``.
 """
 
@@ -311,11 +312,15 @@ class Network:
             alpha, 1 / per_byte, 1 / per_byte_shared, alpha_s, 1 / per_byte_s, gamma, alpha_gloo, 1 / per_byte_gloo
         )
 
-    def at_rate(self, bits_per_second: float) -> Network:
-        """The same network with links of the nominal rate ``bits_per_second`` (one stream and shared alike get
-        the rate; latency, shared memory and sums unchanged)."""
+    def at_rate(self, bits_per_second: float, latency: float | None = None) -> Network:
+        """The same network with links of the nominal rate ``bits_per_second`` (one stream gets it, concurrent
+        streams the share measured here) and, if given, ``latency`` seconds per message between nodes; shared memory
+        and sums unchanged."""
         beta = bits_per_second / 8
-        return Network(self.alpha, beta, beta, self.alpha_s, self.beta_s, self.gamma, self.alpha_gloo, beta)
+        alpha = self.alpha if latency is None else latency
+        alpha_gloo = self.alpha_gloo if latency is None else latency
+        shared = beta * self.beta_shared / self.beta
+        return Network(alpha, beta, shared, self.alpha_s, self.beta_s, self.gamma, alpha_gloo, beta)
 
 
 def _lg(count: int) -> int:
@@ -494,12 +499,15 @@ def check(benchmark: dict[str, Any], net: Network, compute: float) -> dict[str, 
     return rows
 
 
-def project(benchmark: dict[str, Any], net: Network, compute: float) -> dict[str, dict[str, dict[int, float]]]:
-    """ms/step per link rate, contender and node count (``L`` as measured)."""
+def project(
+    benchmark: dict[str, Any], net: Network, compute: float, latency: float | None = None
+) -> dict[str, dict[str, dict[int, float]]]:
+    """ms/step per link rate, contender and node count (``L`` as measured; ``latency``: seconds per message between
+    nodes instead of the fitted ones)."""
     table: dict[str, dict[str, dict[int, float]]] = {}
     works = workloads(benchmark)
     for rate in PROJECTED_RATES_GBIT:
-        scaled = net.at_rate(rate * 1e9)
+        scaled = net.at_rate(rate * 1e9, latency)
         table[f"{rate} Gbit/s"] = {
             name: {
                 nodes: 1e3 * (compute + comm_seconds(name, work, scaled, Layout(nodes, benchmark["ranks_per_node"])))
@@ -587,7 +595,14 @@ def markdown(payload: dict[str, Any]) -> str:
             f"{'yes' if row['within_tolerance'] else 'no'} |"
         )
     for rate, table in payload["projection"].items():
-        lines += ["", f"Projected ms/step, links of {rate} (alpha, shared memory and compute as fitted here):", ""]
+        latency = payload["projected_latency_us"]
+        between = "fitted" if latency is None else f"{latency:g} us"
+        lines += [
+            "",
+            f"Projected ms/step, links of {rate}, latency between nodes {between} (shared memory and compute as "
+            "fitted here):",
+            "",
+        ]
         lines.append("| contender | " + " | ".join(f"{n} nodes" for n in PROJECTED_NODES) + " |")
         lines.append("| --- |" + " --- |" * len(PROJECTED_NODES))
         for name, row in table.items():
@@ -627,6 +642,8 @@ def plot(payload: dict[str, Any], path: Path) -> None:
             ax.plot(PROJECTED_NODES, [row[str(n)] for n in PROJECTED_NODES], "-o", markersize=3, color=f"C{index}",
                     label=name)  # fmt: skip
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per step (log)")
         ax.set_xlabel("nodes (2 ranks each)")
         ax.set_title(f"projected, {rate} links", fontsize=9)
         ax.grid(True, alpha=0.3)
@@ -642,6 +659,9 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="the sweeps' link rate (the benchmark's)")
     parser.add_argument("--benchmark", type=Path, default=RESULTS / "hierarchical.json", help="the measured steps")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where to write cost_model.*")
+    parser.add_argument(
+        "--latency-us", type=float, help="project with this latency between nodes (default: the fitted ones)"
+    )
     parser.add_argument("--sweep-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sweep_worker:
@@ -669,7 +689,8 @@ def main() -> None:
         "benchmark_model": benchmark["model"],
         "benchmark_load": f"{loads[0]}-{loads[-1]}",
         "check": check(benchmark, net, compute),
-        "projection": project(benchmark, net, compute),
+        "projected_latency_us": args.latency_us,
+        "projection": project(benchmark, net, compute, None if args.latency_us is None else args.latency_us * 1e-6),
     }))  # fmt: skip
     save("cost_model", payload, args.results)
     (args.results / "cost_model.md").write_text(markdown(payload))
