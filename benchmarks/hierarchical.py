@@ -1,9 +1,9 @@
 """What each sync mode costs and gains on a slow inter-node link: 2 emulated nodes x 2 ranks over 1 Gbit/s links,
 Lightning DDP (gloo) against mpi_ad's sync modes, the same model and data for all (needs root; see cluster.py).
 
-    python benchmarks/hierarchical.py [--rounds 3] [--epochs 5] [--rate 1gbit] [--contenders flat,daso] [--quick]
+    python benchmarks/hierarchical.py [--rounds 3] [--epochs 4] [--rate 1gbit] [--contenders flat,daso] [--quick]
 
-The model is an MLP 64-4608-4608-10 (21.5 M parameters, 86 MB of float32 gradients) trained on scikit-learn's
+The model is an MLP 64-4608-4608-10 (21.6 M parameters, 86 MB of float32 gradients) trained on scikit-learn's
 digits (standardised, the recipes' fixed 80/20 split: 1437 training images), batch 32 per rank, SGD (lr 0.02,
 momentum 0.9), one torch thread per rank, from the same seed for every contender:
 
@@ -17,8 +17,8 @@ momentum 0.9), one torch thread per rank, from the same seed for every contender
 | ``daso`` | ``sync=DASO(warmup_epochs=1, cooldown_epochs=1)``, heat's other defaults (skip 4, wait 1) |
 | ``gossip`` | ``sync=Gossip()`` (ring, every step) |
 
-plus the compressing aggregators of :data:`COMPRESSORS` that exist in ``mpistrategy.aggregation`` (each as
-``sync="hierarchical"`` with the compressor on the node leaders' step only).
+plus the compressing aggregators of :data:`COMPRESSORS` whose module is installed in ``mpistrategy.aggregation``
+(each as ``sync="hierarchical"`` with the compressor on the node leaders' step only).
 
 Every round is one MPI job on the emulated cluster that trains every contender in a new (seeded) order for
 ``--epochs`` epochs. Measured per contender and round:
@@ -26,7 +26,8 @@ Every round is one MPI job on the emulated cluster that trains every contender i
 - ms/step: the mean duration of the round's steps after the first ``--warmup`` (time between consecutive
   ``on_train_batch_start``, the epoch's last step ending at ``on_train_epoch_end``): the whole step with data
   loading and every hook. The mean, not the median: periodic modes have cheap and expensive steps, and throughput
-  pays for both; the per-step median is reported too;
+  pays for both; the per-step median is reported too, and for DASO the mean over its cycling epochs (its steady
+  state, which a run of a few epochs dilutes with blocking warm-up and cool-down epochs);
 - the bytes each node's link carried (its ``eth0`` counters, read inside the node by its local rank 0) and the
   payload the strategy counted (``strategy.traffic``, every rank's totals summed, by scope), per step;
 - validation accuracy after every epoch, against the training wall time so far (validation itself excluded): each
@@ -102,7 +103,7 @@ def available_contenders() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (one MPI job each)")
-    parser.add_argument("--epochs", type=int, default=5, help="epochs per contender and round")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs per contender and round")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of each round's ms/step")
     parser.add_argument("--rate", default="1gbit", help="link rate, tc notation (1gbit, 10gbit, unshaped, ...)")
     parser.add_argument("--contenders", help="comma-separated subset (default: all available)")
