@@ -402,15 +402,14 @@ class Workload:
     Attributes:
         gradient_bytes: the gradient buckets' sizes (one allreduce each per step, where gradients are averaged).
         model_bytes: the averaged model state (float32).
-        node_bytes, inter_node_bytes: payload bytes per rank per step, by scope (the traffic counters' totals over
-            all ranks and steps, divided by both).
+        inter_node_bytes: payload bytes per rank per step that crossed nodes (the traffic counters' totals over
+            all ranks and steps, divided by both; Lightning's DDP has no counter: its gradients).
         steps: steps of the run; blocking, sends: DASO's blocking averages (bfloat16) and non-blocking sends
             (float32) in the run.
     """
 
     gradient_bytes: list[float]
     model_bytes: float
-    node_bytes: float
     inter_node_bytes: float
     steps: int
     blocking: int = 0
@@ -449,8 +448,8 @@ def comm_seconds(contender: str, work: Workload, net: Network, layout: Layout) -
             hierarchical_average(net, model, layout)
         )
         return sum(node_allreduce(net, n, layout) for n in grads) + averages / work.steps
-    if contender == "gossip":
-        return gossip_exchange(net, model, layout)
+    if contender == "gossip":  # every rank sends its model to its neighbour on the other node each step
+        return gossip_exchange(net, work.inter_node_bytes, layout)
     raise ValueError(f"no cost formula for contender {contender!r}")
 
 
@@ -462,12 +461,10 @@ def workloads(benchmark: dict[str, Any]) -> dict[str, Workload]:
     for name, row in benchmark["contenders"].items():
         buckets = [mb * 1e6 for mb in row["buckets_mb"]] if row.get("buckets_mb") else _ddp_buckets(model)
         syncs = row.get("syncs") or {}
-        node = row["counted_node_mb_per_step"]
         inter = row["counted_inter_node_mb_per_step"]
         found[name] = Workload(
             gradient_bytes=buckets,
             model_bytes=model,
-            node_bytes=(node or 0.0) * 1e6 / ranks,
             inter_node_bytes=(inter if inter is not None else model / 1e6) * 1e6 / ranks,
             steps=row["steps"],
             blocking=syncs.get("blocking", 0),
