@@ -136,9 +136,7 @@ class SyncMode(ABC):
         if state:
             raise ValueError(f"{type(self).__name__} is stateless but was given state with keys {sorted(state)}.")
 
-    def aggregation_context(
-        self, buckets: list[GradBucket], comm, spans_nodes: bool, span=None
-    ) -> AggregationContext:
+    def aggregation_context(self, buckets: list[GradBucket], comm, spans_nodes: bool, span=None) -> AggregationContext:
         """An :class:`AggregationContext` over ``comm`` for ``buckets``, counting into this mode's traffic; ``span``
         (default ``comm``) is the communicator of every rank whose gradients the aggregator combines."""
         ctx = self.ctx

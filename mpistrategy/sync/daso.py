@@ -363,4 +363,3 @@ class DASO(SyncMode):
             f"DASO(warmup_epochs={self.warmup_epochs}, cooldown_epochs={self.cooldown_epochs}, "
             f"global_skip={self.global_skip}, batches_to_wait={self.batches_to_wait}, downcast={self.downcast})"
         )
-

@@ -155,4 +155,3 @@ def node_transport(topology: Topology, kind: str) -> NodeTransport:
             )
         return TorchNodeTransport(topology, kind)
     raise ValueError(f"node_transport={kind!r} is not one of {', '.join(map(repr, NODE_TRANSPORTS))}.")
-
