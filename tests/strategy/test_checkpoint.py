@@ -7,27 +7,22 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 import signal
 import struct
-import warnings
 import zipfile
 from typing import Any
 
 import lightning.pytorch as L
-import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mpistrategy.aggregation import GradBucket, MeanAggregator
 from mpistrategy.strategy import checkpoint_files
 from mpistrategy.strategy.checkpoint_files import SEAL_PREFIX, CorruptCheckpointError
-from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
 from mpistrategy.strategy.mpi_ad import CHECKPOINT_KEY, MPIADStrategy
-from mpistrategy.strategy.resumable import ResumableLoader, make_resumable
+from mpistrategy.strategy.resumable import make_resumable
 from tests.strategy.helpers import (
     COMM,
     RANK,
@@ -41,6 +36,7 @@ from tests.strategy.helpers import (
     shared_tmpdir,
     trainer,
 )
+from tests.strategy.resume import assert_same_training_state, fit_noisy, stop_then_resume
 
 
 class CountingMean(MeanAggregator):
@@ -110,85 +106,15 @@ def test_checkpoint_only_rank_zero_can_see_is_broadcast() -> None:
 
 # --- a stop signal in the middle of an epoch, then resume: bit for bit the uninterrupted run ------------------------
 
-BATCH = 4
 BATCHES_PER_EPOCH = 6  # per rank
 EPOCHS = 3
 
 
-class NoisyDropoutModel(L.LightningModule):
-    """Dropout (torch's generator) and a loss scale drawn from numpy's and python's generators, AdamW: training
-    depends on every random generator a resume must restore."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 2)).double()
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        scale = 1.0 + 0.1 * float(np.random.rand()) + 0.1 * random.random()
-        return scale * nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
-
-
-class SignalAt(L.Callback):
-    """Sends ``signum`` to this process on the last rank once ``step`` optimizer steps are done."""
-
-    def __init__(self, step: int, signum: int) -> None:
-        self.step, self.signum = step, signum
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step and RANK == SIZE - 1:
-            os.kill(os.getpid(), self.signum)
-
-
-def _shuffled_loader() -> DataLoader:
-    samples = SIZE * BATCH * BATCHES_PER_EPOCH
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(samples, 6, generator=g, dtype=torch.float64)
-    data = TensorDataset(x, torch.randn(samples, 2, generator=g, dtype=torch.float64))
-    return DataLoader(data, batch_size=BATCH, shuffle=True)
-
-
-def _fit_noisy(
-    directory: str, accumulate: int, callbacks: tuple = (), ckpt_path: str | None = None
-) -> tuple[L.LightningModule, L.Trainer, int | None]:
-    """Fit the noisy model (each rank's generators seeded differently, so each has its own random stream); returns
-    the model, the trainer and the exit code of a stop (``None`` if fit returned)."""
-    L.seed_everything(100, verbose=False)  # also the seed of the distributed sampler: the same on every rank
-    model = NoisyDropoutModel()
-    torch.manual_seed(200 + RANK)
-    np.random.seed(300 + RANK)
-    random.seed(400 + RANK)
-    fit = trainer(
-        max_epochs=EPOCHS, default_root_dir=directory, accumulate_grad_batches=accumulate, callbacks=list(callbacks)
-    )
-    try:
-        fit.fit(model, _shuffled_loader(), ckpt_path=ckpt_path)
-    except SystemExit as stop:
-        return model, fit, stop.code
-    return model, fit, None
-
-
 @functools.cache
 def _uninterrupted(accumulate: int) -> tuple[L.LightningModule, L.Trainer]:
-    model, fit, code = _fit_noisy(shared_tmpdir(), accumulate)
+    model, fit, code = fit_noisy(shared_tmpdir(), EPOCHS, BATCHES_PER_EPOCH, accumulate=accumulate)
     assert code is None and fit.global_step == EPOCHS * BATCHES_PER_EPOCH // accumulate
     return model, fit
-
-
-def _assert_same_training_state(resumed: tuple, reference: tuple) -> None:
-    (model, fit), (reference_model, reference_fit) = resumed, reference
-    assert fit.global_step == reference_fit.global_step
-    for name, value in reference_model.state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), f"parameter {name} differs from the uninterrupted run"
-    state, reference_state = fit.optimizers[0].state_dict()["state"], reference_fit.optimizers[0].state_dict()["state"]
-    assert state.keys() == reference_state.keys()
-    for index, values in reference_state.items():
-        for key, value in values.items():
-            assert torch.equal(state[index][key], value), f"optimizer state {key} of parameter {index} differs"
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=240)
@@ -206,20 +132,10 @@ def test_stop_mid_epoch_then_resume_ends_bit_identical_to_an_uninterrupted_run(
     signum: int, signal_step: int, accumulate: int
 ) -> None:
     reference = _uninterrupted(accumulate)
-    directory = shared_tmpdir()
-    _, stopped, code = _fit_noisy(directory, accumulate, callbacks=(SignalAt(signal_step, signum),))
-    assert code == STOPPED_EXIT_CODE
-    assert stopped.global_step == signal_step + 1  # every rank decides one step after the signal
-    hpc = os.path.join(directory, "hpc_ckpt_1.ckpt")
-    assert torch.load(hpc, weights_only=True)["global_step"] == signal_step + 1
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model, fit, code = _fit_noisy(directory, accumulate, ckpt_path=hpc)
-    assert code is None
-    assert not [w for w in caught if "not resumable" in str(w.message)], "Lightning called the dataloader unresumable"
-    assert isinstance(fit.train_dataloader, ResumableLoader)
-    _assert_same_training_state((model, fit), reference)
+    resumed = stop_then_resume(
+        shared_tmpdir(), signum, signal_step, epochs=EPOCHS, batches_per_epoch=BATCHES_PER_EPOCH, accumulate=accumulate
+    )
+    assert_same_training_state(resumed, reference)
 
 
 # --- the resumable loader on its own (one process) ------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""Every sync mode stopped by a signal in the middle of its schedule resumes to the same trajectory: each rank's
+parameters and optimizer state equal, bit for bit, those of an uninterrupted run (AdamW, SGD with momentum).
+
+The stops fall where a mode holds state between steps: local SGD in the middle of its period and during its
+warm-up, DASO with a model average in flight (sent, not yet merged) and at the epoch boundary where its schedule
+for the next epoch is decided, gossip after local steps, hierarchical local SGD between two global averages. At 4
+ranks the modes with nodes run as 2 nodes of 2; local SGD and gossip also at 3 ranks (nodes of one rank)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
+from mpistrategy.sync import DASO, Gossip, HierarchicalLocalSGD, LocalSGD, SyncMode
+from tests.strategy.helpers import SIZE, shared_tmpdir
+from tests.strategy.resume import SIGNALS, assert_same_training_state, fit_noisy, stop_then_resume
+
+EPOCHS = 3
+BATCHES_PER_EPOCH = 8  # per rank
+
+MODES: dict[str, Callable[[], SyncMode]] = {
+    "local_sgd": lambda: LocalSGD(period=3, warmup_steps=3),
+    "gossip": lambda: Gossip(graph="ring"),
+    "hierarchical_local_sgd": lambda: HierarchicalLocalSGD(period=4),
+    # one epoch of blocking averages, then sends every 4 steps merged 2 steps later, node-local gradient averaging
+    # every other step
+    "daso": lambda: DASO(
+        warmup_epochs=1, cooldown_epochs=0, global_skip=4, batches_to_wait=2, local_skip=2, downcast=None
+    ),
+}
+
+
+def _strategy(mode: str) -> Callable[[], MPIADStrategy]:
+    ranks_per_node = 2 if SIZE % 2 == 0 else 1
+    return lambda: MPIADStrategy(sync=MODES[mode](), ranks_per_node=ranks_per_node)
+
+
+@functools.cache
+def _uninterrupted(mode: str, optimizer: str) -> tuple:
+    model, fit, code = fit_noisy(
+        shared_tmpdir(), EPOCHS, BATCHES_PER_EPOCH, strategy=_strategy(mode), optimizer=optimizer
+    )
+    assert code is None and fit.global_step == EPOCHS * BATCHES_PER_EPOCH
+    return model, fit
+
+
+def _check(mode: str, optimizer: str, signal: str, signal_step: int) -> None:
+    resumed = stop_then_resume(
+        shared_tmpdir(),
+        SIGNALS[signal],
+        signal_step,
+        epochs=EPOCHS,
+        batches_per_epoch=BATCHES_PER_EPOCH,
+        strategy=_strategy(mode),
+        optimizer=optimizer,
+    )
+    assert_same_training_state(resumed, _uninterrupted(mode, optimizer))
+
+
+@pytest.mark.mpi(ranks=(3, 4), timeout=300)
+@pytest.mark.parametrize(
+    ("mode", "optimizer", "signal", "signal_step"),
+    [
+        ("local_sgd", "adamw", "SIGUSR1", 1),  # stops after step 2 of the 3 warm-up steps
+        ("local_sgd", "sgd", "SIGTERM", 9),  # stops 1 step after the average of the 9th step
+        ("gossip", "adamw", "SIGUSR1", 10),
+    ],
+)
+def test_a_mode_without_nodes_resumes_bit_identical(mode: str, optimizer: str, signal: str, signal_step: int) -> None:
+    _check(mode, optimizer, signal, signal_step)
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=300)
+@pytest.mark.parametrize(
+    ("mode", "optimizer", "signal", "signal_step"),
+    [
+        ("daso", "adamw", "SIGUSR1", 9),  # epoch 1, steps 0-1 done: the model sent at step 0 is merged at step 2
+        ("daso", "sgd", "SIGTERM", 7),  # the end of warm-up: the next epoch's schedule is not yet decided
+        ("hierarchical_local_sgd", "adamw", "SIGTERM", 5),  # 2 steps after the global average of step 3
+    ],
+)
+def test_a_mode_with_nodes_resumes_bit_identical(mode: str, optimizer: str, signal: str, signal_step: int) -> None:
+    _check(mode, optimizer, signal, signal_step)
