@@ -159,13 +159,15 @@ class CompressingAggregator(Aggregator):
             self.memory.load(state["residuals"])
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's state, gathered to world rank 0 (collective over the world: every rank calls it; see
-        :mod:`~mpistrategy.aggregation.rank_state`). Empty for stateless schemes and before setup."""
+        """Every rank's state, gathered to world rank 0 (collective over the ranks this scheme combines over:
+        each of them calls it; see :mod:`~mpistrategy.aggregation.rank_state`). Empty for stateless schemes, and
+        before setup or on ranks that do not take part (a hierarchy's non-leaders)."""
         if self.context is None:
             return self._loaded or {}
         if not self.has_state:
             return {}
-        return gather_rank_states(self.scheme, self.rank_state(), self.context.topology.control)
+        topology = self.context.topology
+        return gather_rank_states(self.scheme, self.rank_state(), self.context.comm.comm, topology.rank, topology.size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's entry of ``state`` (a checkpoint's, holding every rank's); before setup it is kept

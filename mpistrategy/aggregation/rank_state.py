@@ -1,13 +1,14 @@
 """Checkpoint state that differs between ranks: gathered to world rank 0, handed back to each rank when loading.
 
 Error-feedback residuals and per-rank random generators differ between ranks, and a checkpoint is written by world
-rank 0 alone. :func:`gather_rank_states` is therefore a collective over the whole world (every rank calls
-``state_dict``, as the strategy does when it saves), whatever communicator the aggregator combines over, and
-returns::
+rank 0 alone. :func:`gather_rank_states` is a collective over the communicator the aggregator combines over (every
+rank of it calls ``state_dict``, as the strategy does when it saves): the whole world for flat averaging, the node
+leaders when a hierarchical sync mode compresses only the step between nodes. Its rank 0 is world rank 0 in both
+cases, and it returns, keyed by world rank::
 
-    {"scheme": "topk", "world_size": 4, "ranks": {0: {...}, 1: {...}, 2: {...}, 3: {...}}}
+    {"scheme": "topk", "world_size": 4, "ranks": {0: {...}, 2: {...}}}
 
-on world rank 0, and on every other rank the same with only its own entry (enough to restore it on that rank).
+on that rank, and on every other rank the same with only its own entry (enough to restore it on that rank).
 :func:`own_rank_state` picks a rank's entry back out of a loaded checkpoint, after checking that it was written
 by the same scheme with the same number of ranks.
 """
@@ -19,12 +20,17 @@ from typing import Any
 from mpi4py import MPI
 
 
-def gather_rank_states(scheme: str, local: dict[str, Any], world: MPI.Intracomm) -> dict[str, Any]:
-    """Collective over ``world``: every rank's ``local`` state, gathered to rank 0 (see the module docstring)."""
-    rank, size = world.Get_rank(), world.Get_size()
-    everyone = world.gather(local, root=0) if size > 1 else [local]
-    ranks = dict(enumerate(everyone)) if rank == 0 else {rank: local}
-    return {"scheme": scheme, "world_size": size, "ranks": ranks}
+def gather_rank_states(
+    scheme: str, local: dict[str, Any], comm: MPI.Intracomm, world_rank: int, world_size: int
+) -> dict[str, Any]:
+    """Collective over ``comm``: every member's ``local`` state, gathered to its rank 0 and keyed by world rank
+    (see the module docstring)."""
+    if comm.Get_size() == 1:
+        everyone = [(world_rank, local)]
+    else:
+        everyone = comm.gather((world_rank, local), root=0)
+    ranks = dict(everyone) if comm.Get_rank() == 0 else {world_rank: local}
+    return {"scheme": scheme, "world_size": world_size, "ranks": ranks}
 
 
 def own_rank_state(scheme: str, state: dict[str, Any], rank: int, size: int) -> dict[str, Any]:

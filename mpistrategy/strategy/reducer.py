@@ -344,6 +344,11 @@ class GradientReducer:
                 work.test()
                 return
 
+    @property
+    def traffic(self) -> TrafficCounter:
+        """The payload bytes this rank's gradient combination sent, by scope (the sync mode's counter)."""
+        return self.sync.ctx.traffic
+
     def wait(self) -> None:
         """Called after backward, before clipping and the optimizer step: finish every bucket, in order, and
         leave ``.grad`` of the parameters that no rank used as one process would (see the module docstring).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpistrategy.aggregation import MeanAggregator, TopK
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import DASO, FlatSync, HierarchicalLocalSGD, HierarchicalSync, LocalSGD
 from tests.strategy.helpers import (
@@ -35,11 +36,13 @@ MODES = {
 }
 
 
-def _train(sync, node_transport: str = "mpi", **fit_options) -> torch.Tensor:
+def _train(sync, node_transport: str = "mpi", aggregator=None, **fit_options) -> torch.Tensor:
     accumulate = fit_options.get("accumulate_grad_batches", 1)
     data = regression_data(SIZE * PER_RANK_BATCH * STEPS * accumulate)
     model = Regressor(mlp(seed=3), lr=0.1)
-    strategy = MPIADStrategy(sync=sync, ranks_per_node=2, node_transport=node_transport)
+    strategy = MPIADStrategy(
+        sync=sync, aggregator=aggregator or MeanAggregator(), ranks_per_node=2, node_transport=node_transport
+    )
     trainer(strategy=strategy, max_steps=STEPS, **fit_options).fit(model, loader(data, PER_RANK_BATCH))
     return flat_parameters(model)
 
@@ -71,3 +74,13 @@ def test_hierarchical_with_accumulation_and_clipping_equals_flat() -> None:
     want = _train(FlatSync(), **options)
     got = _train(HierarchicalSync(), **options)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.mpi(ranks=(3, 4, 6), timeout=180)
+def test_a_compressor_on_the_leaders_step_that_drops_nothing_equals_flat() -> None:
+    """The user's aggregator combines only the node leaders' step; top-k at density 1 sends every value, so the
+    hierarchy with it must still average exactly."""
+    want = _train(FlatSync())
+    got = _train(HierarchicalSync(), aggregator=TopK(density=1.0))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_same_on_all_ranks(got, "parameters")

@@ -3,8 +3,9 @@ parameters and optimizer state equal, bit for bit, those of an uninterrupted run
 
 The stops fall where a mode holds state between steps: local SGD in the middle of its period and during its
 warm-up, DASO with a model average in flight (sent, not yet merged) and at the epoch boundary where its schedule
-for the next epoch is decided, gossip after local steps, hierarchical local SGD between two global averages. At 4
-ranks the modes with nodes run as 2 nodes of 2; local SGD and gossip also at 3 ranks (nodes of one rank)."""
+for the next epoch is decided, gossip after local steps, hierarchical local SGD between two global averages, top-k
+compression of the step between nodes with its error-feedback residuals on the node leaders. At 4 ranks the modes
+with nodes run as 2 nodes of 2; local SGD and gossip also at 3 ranks (nodes of one rank)."""
 
 from __future__ import annotations
 
@@ -13,29 +14,39 @@ from collections.abc import Callable
 
 import pytest
 
+from mpistrategy.aggregation import Aggregator, MeanAggregator, TopK
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
-from mpistrategy.sync import DASO, Gossip, HierarchicalLocalSGD, LocalSGD, SyncMode
+from mpistrategy.sync import DASO, Gossip, HierarchicalLocalSGD, HierarchicalSync, LocalSGD, SyncMode
 from tests.strategy.helpers import SIZE, shared_tmpdir
 from tests.strategy.resume import SIGNALS, assert_same_training_state, fit_noisy, stop_then_resume
 
 EPOCHS = 3
 BATCHES_PER_EPOCH = 8  # per rank
 
-MODES: dict[str, Callable[[], SyncMode]] = {
-    "local_sgd": lambda: LocalSGD(period=3, warmup_steps=3),
-    "gossip": lambda: Gossip(graph="ring"),
-    "hierarchical_local_sgd": lambda: HierarchicalLocalSGD(period=4),
+#: name -> the strategy's sync mode and gradient aggregator (new objects per run)
+MODES: dict[str, Callable[[], tuple[SyncMode, Aggregator]]] = {
+    "local_sgd": lambda: (LocalSGD(period=3, warmup_steps=3), MeanAggregator()),
+    "gossip": lambda: (Gossip(graph="ring"), MeanAggregator()),
+    "hierarchical_local_sgd": lambda: (HierarchicalLocalSGD(period=4), MeanAggregator()),
     # one epoch of blocking averages, then sends every 4 steps merged 2 steps later, node-local gradient averaging
     # every other step
-    "daso": lambda: DASO(
-        warmup_epochs=1, cooldown_epochs=0, global_skip=4, batches_to_wait=2, local_skip=2, downcast=None
+    "daso": lambda: (
+        DASO(warmup_epochs=1, cooldown_epochs=0, global_skip=4, batches_to_wait=2, local_skip=2, downcast=None),
+        MeanAggregator(),
     ),
+    # error-feedback residuals held by the node leaders only
+    "hierarchical+topk": lambda: (HierarchicalSync(), TopK(density=0.1)),
 }
 
 
 def _strategy(mode: str) -> Callable[[], MPIADStrategy]:
     ranks_per_node = 2 if SIZE % 2 == 0 else 1
-    return lambda: MPIADStrategy(sync=MODES[mode](), ranks_per_node=ranks_per_node)
+
+    def build() -> MPIADStrategy:
+        sync, aggregator = MODES[mode]()
+        return MPIADStrategy(sync=sync, aggregator=aggregator, ranks_per_node=ranks_per_node)
+
+    return build
 
 
 @functools.cache
@@ -80,6 +91,7 @@ def test_a_mode_without_nodes_resumes_bit_identical(mode: str, optimizer: str, s
         ("daso", "adamw", "SIGUSR1", 9),  # epoch 1, steps 0-1 done: the model sent at step 0 is merged at step 2
         ("daso", "sgd", "SIGTERM", 7),  # the end of warm-up: the next epoch's schedule is not yet decided
         ("hierarchical_local_sgd", "adamw", "SIGTERM", 5),  # 2 steps after the global average of step 3
+        ("hierarchical+topk", "sgd", "SIGUSR1", 10),
     ],
 )
 def test_a_mode_with_nodes_resumes_bit_identical(mode: str, optimizer: str, signal: str, signal_step: int) -> None:

@@ -8,6 +8,7 @@ import os
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
+from mpistrategy.aggregation import MeanAggregator, TopK
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import DASO, FlatSync, HierarchicalLocalSGD, HierarchicalSync, LocalSGD
 from tests.strategy.helpers import RANK, SIZE, Regressor, loader, mlp, regression_data, shared_tmpdir, trainer
@@ -16,11 +17,12 @@ STEPS = 16
 PER_RANK_BATCH = 4
 
 
-def _logged(sync, folder: str) -> tuple[list[dict[str, float]], int, object]:
-    """Fit ``STEPS`` steps as 2 nodes of 2; rank 0's logged comm/ rows, the model's bytes, the traffic counter."""
+def _logged(sync, folder: str, aggregator=None) -> tuple[list[dict[str, float]], int, object]:
+    """Fit ``STEPS`` steps as 2 nodes of 2 (``aggregator`` combines the step across nodes); rank 0's logged comm/
+    rows, the model's bytes, the traffic counter."""
     data = regression_data(SIZE * PER_RANK_BATCH * STEPS)
     model = Regressor(mlp(seed=4), lr=0.05)
-    strategy = MPIADStrategy(sync=sync, ranks_per_node=2)
+    strategy = MPIADStrategy(sync=sync, aggregator=aggregator or MeanAggregator(), ranks_per_node=2)
     logger = CSVLogger(folder, name=type(sync).__name__, version=0)
     trainer(strategy=strategy, max_steps=STEPS, logger=logger, log_every_n_steps=1).fit(
         model, loader(data, PER_RANK_BATCH)
@@ -42,6 +44,7 @@ def test_inter_node_bytes_fall_by_the_skip_factor() -> None:
     hierarchical, _, _ = _logged(HierarchicalSync(), folder)
     local, _, local_traffic = _logged(LocalSGD(period=4), folder)
     hier_local, _, _ = _logged(HierarchicalLocalSGD(period=4), folder)
+    compressed, _, _ = _logged(HierarchicalSync(), folder, aggregator=TopK(density=0.01))
     daso, _, _ = _logged(DASO(warmup_epochs=0, cooldown_epochs=0, global_skip=4, downcast=None), folder)
     if RANK != 0:
         return
@@ -63,3 +66,10 @@ def test_inter_node_bytes_fall_by_the_skip_factor() -> None:
     daso_inter = sum(r["comm/inter_node_bytes_per_step"] for r in daso)
     assert daso_inter == 5 * model_bytes
     assert daso_inter <= inter["flat"] / 3
+
+    # top-k on the leaders' step: the node step stays dense, each leader sends k = 1 (index, value) pair per bucket
+    assert sum(r["comm/node_bytes_per_step"] for r in compressed) == STEPS * model_bytes
+    pair = 4 + 8  # int32 index, float64 value
+    inter_compressed = sum(r["comm/inter_node_bytes_per_step"] for r in compressed)
+    assert STEPS * pair <= inter_compressed <= STEPS * 4 * (pair + 14)
+    assert inter_compressed < inter["hierarchical"] / 4
