@@ -1,7 +1,8 @@
 """What each sync mode costs and gains on a slow inter-node link: 2 emulated nodes x 2 ranks over 1 Gbit/s links,
 Lightning DDP (gloo) against mpi_ad's sync modes, the same model and data for all (needs root; see cluster.py).
 
-    python benchmarks/hierarchical.py [--rounds 3] [--epochs 4] [--rate 1gbit] [--contenders flat,daso] [--quick]
+    python benchmarks/hierarchical.py [--rounds 3] [--epochs 4] [--batch 32] [--rate 1gbit] [--contenders flat,daso]
+                                      [--quick]
 
 The model is an MLP 64-4608-4608-10 (21.6 M parameters, 86 MB of float32 gradients) trained on scikit-learn's
 digits (standardised, the recipes' fixed 80/20 split: 1437 training images), batch 32 per rank, SGD (lr 0.02,
@@ -104,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (one MPI job each)")
     parser.add_argument("--epochs", type=int, default=4, help="epochs per contender and round")
+    parser.add_argument("--batch", type=int, default=BATCH, help="samples per rank and step")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of each round's ms/step")
     parser.add_argument("--rate", default="1gbit", help="link rate, tc notation (1gbit, 10gbit, unshaped, ...)")
     parser.add_argument("--contenders", help="comma-separated subset (default: all available)")
@@ -124,6 +126,7 @@ def main() -> None:
         "epochs": args.epochs,
         "max_steps": 4 if args.quick else -1,
         "warmup": args.warmup,
+        "batch": args.batch,
     }
     if args.worker:
         _worker(contenders, settings, args.round, args.records)
@@ -160,6 +163,7 @@ def _controller(contenders: list[str], settings: dict[str, Any], rounds: int, ra
                 ",".join(contenders),
             ]
             command += ["--epochs", str(settings["epochs"]), "--warmup", str(settings["warmup"])]
+            command += ["--batch", str(settings["batch"])]
             command += ["--records", str(records_path)] + (["--quick"] if settings["max_steps"] > 0 else [])
             before, started = os.getloadavg(), time.perf_counter()
             done = cluster.run(
@@ -230,7 +234,7 @@ def summarize(
         "rate": rate,
         "model": f"MLP 64-{settings['hidden']}-{settings['hidden']}-10",
         "parameters": _parameter_count(settings["hidden"]),
-        "batch_per_rank": BATCH,
+        "batch_per_rank": settings["batch"],
         "epochs": settings["epochs"],
         "warmup_steps": settings["warmup"],
         "rounds": loads,
@@ -449,7 +453,7 @@ def _train(name: str, settings: dict[str, Any], world) -> dict[str, Any]:
         **extra,
     )
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x_train, y_train), batch_size=BATCH, shuffle=True, drop_last=False
+        torch.utils.data.TensorDataset(x_train, y_train), batch_size=settings["batch"], shuffle=True, drop_last=False
     )
     link_before = _link_sent(world)
     trainer.fit(module, loader)
