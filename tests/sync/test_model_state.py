@@ -1,0 +1,102 @@
+"""What the modes average besides the weights: every parameter group and the BatchNorm running statistics; and the
+Trainer features they must keep working (bf16-mixed, gradient accumulation, clipping).
+
+4 ranks as 2 nodes of 2. The model has BatchNorm and two parameter groups with their own learning rates; each rank
+sees its own data, so replicas drift apart between averages."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+
+from mpistrategy.comm.topology import topology
+from mpistrategy.comm.traffic import TrafficCounter
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
+from mpistrategy.sync import DASO, Gossip, HierarchicalLocalSGD, LocalSGD
+from mpistrategy.sync.averaging import ModelAverager
+from tests.strategy.helpers import COMM, RANK, SIZE, assert_same_on_all_ranks, loader, regression_data, trainer
+
+PER_RANK_BATCH = 4
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class TwoGroups(L.LightningModule):
+    """SGD with momentum, the first layer in a group of its own (another learning rate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x.float()), y.float())
+
+    def configure_optimizers(self):
+        first, rest = list(self.net[0].parameters()), [p for layer in self.net[1:] for p in layer.parameters()]
+        return torch.optim.SGD([{"params": first, "lr": 0.02}, {"params": rest}], lr=0.05, momentum=0.9)
+
+
+def _state(module: nn.Module) -> torch.Tensor:
+    """Every parameter and floating-point buffer, flat."""
+    tensors = [p.detach() for p in module.parameters()]
+    tensors += [b for b in module.buffers() if b.dtype.is_floating_point]
+    return torch.cat([t.reshape(-1).double() for t in tensors])
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=240)
+@pytest.mark.parametrize("route", ["world", "nodes"])
+def test_the_average_covers_parameters_and_batchnorm_statistics(route: str) -> None:
+    module = _model()
+    torch.manual_seed(10 + RANK)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), module[1].running_mean, module[1].running_var]:
+            tensor.copy_(torch.rand_like(tensor) + 0.5)
+    mine = _state(module)
+    expected = sum(COMM.allgather(mine)) / SIZE
+    averager = ModelAverager(module, topology(ranks_per_node=2), TrafficCounter(), route)
+    averager.assign(averager.average())
+    torch.testing.assert_close(_state(module), expected, rtol=1e-6, atol=1e-6)
+    assert_same_on_all_ranks(_state(module), "averaged state")
+
+
+MODES = {
+    "local_sgd": lambda: LocalSGD(period=3, warmup_steps=3),
+    "hierarchical_local_sgd": lambda: HierarchicalLocalSGD(period=3),
+    "daso": lambda: DASO(warmup_epochs=0, cooldown_epochs=0, global_skip=2, batches_to_wait=1),
+    "gossip": lambda: Gossip(graph="complete"),
+}
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=240)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_bf16_mixed_accumulation_and_clipping_end_on_one_model(mode: str) -> None:
+    """12 micro-batches, 2 per step: 6 steps; each mode averages after the last one (local SGD after 3 warm-up
+    steps and a period of 3, hierarchical local SGD after two periods of 3, DASO's blocking last step, gossip's
+    complete graph at the end of fit), so every rank ends with the same parameters and BatchNorm statistics, which
+    training moved. Gossip mixes ``x_i + sum_j w_ij (x_j - x_i)`` on each rank, equal to rounding only."""
+    model = TwoGroups()
+    before = _state(model.net)
+    data = regression_data(SIZE * PER_RANK_BATCH * 12, seed=7)
+    fit = trainer(
+        strategy=MPIADStrategy(sync=MODES[mode](), ranks_per_node=2),
+        precision="bf16-mixed",
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        max_epochs=1,
+    )
+    fit.fit(model, loader(data, PER_RANK_BATCH))
+    assert fit.global_step == 6
+    after = _state(model.net)
+    assert not torch.equal(after, before), "training did not move the model"
+    assert not torch.equal(model.net[1].running_mean, torch.zeros(8)), "BatchNorm statistics did not move"
+    if mode == "gossip":
+        for other in COMM.allgather(after):
+            torch.testing.assert_close(other, after, rtol=1e-6, atol=1e-6)
+    else:
+        assert_same_on_all_ranks(after, "parameters and BatchNorm statistics")
