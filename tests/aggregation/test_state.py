@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from mpistrategy.aggregation import (
     QSGD,
@@ -33,6 +32,7 @@ from tests.strategy.helpers import (
     shared_tmpdir,
     trainer,
 )
+from tests.strategy.resume import fit_with_epoch_checkpoints
 
 STATEFUL = {
     "topk": lambda: TopK(density=0.2),
@@ -164,18 +164,8 @@ def test_another_world_size_or_scheme_is_refused_on_every_rank() -> None:
 
 
 def _fit(name: str, directory: str, epochs: int, seed: int, ckpt_path: str | None = None):
-    data = regression_data(SIZE * 4 * 3)
-    model = Regressor(mlp(seed=seed), lr=0.1, momentum=0.9)
     aggregator = STATEFUL[name]()
-    checkpoints = ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}")
-    fit = trainer(
-        strategy=MPIADStrategy(aggregator=aggregator),
-        max_epochs=epochs,
-        callbacks=[checkpoints],
-        enable_checkpointing=True,
-    )
-    fit.fit(model, loader(data, 4), ckpt_path=ckpt_path)
-    return model, aggregator
+    return fit_with_epoch_checkpoints(aggregator, directory, epochs, seed, ckpt_path), aggregator
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)

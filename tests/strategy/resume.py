@@ -13,13 +13,16 @@ from typing import Any
 import lightning.pytorch as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from mpistrategy.aggregation import Aggregator
 from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.strategy.resumable import ResumableLoader
-from tests.strategy.helpers import RANK, SIZE, trainer
+from tests.strategy.helpers import RANK, SIZE, Regressor, loader, mlp, regression_data, trainer
 
 BATCH = 4
 
@@ -94,6 +97,23 @@ def fit_noisy(
     except SystemExit as stop:
         return model, fit, stop.code
     return model, fit, None
+
+
+def fit_with_epoch_checkpoints(
+    aggregator: Aggregator, directory: str, epochs: int, seed: int, ckpt_path: str | None = None
+) -> Regressor:
+    """Fit a regressor (SGD with momentum) combining gradients with ``aggregator``, writing ``epoch=<n>.ckpt`` in
+    ``directory`` after every epoch; resume from ``ckpt_path`` if given."""
+    model = Regressor(mlp(seed=seed), lr=0.1, momentum=0.9)
+    checkpoints = ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}")
+    fit = trainer(
+        strategy=MPIADStrategy(aggregator=aggregator),
+        max_epochs=epochs,
+        callbacks=[checkpoints],
+        enable_checkpointing=True,
+    )
+    fit.fit(model, loader(regression_data(SIZE * 4 * 3), 4), ckpt_path=ckpt_path)
+    return model
 
 
 def stop_then_resume(

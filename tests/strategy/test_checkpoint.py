@@ -15,7 +15,6 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mpistrategy.aggregation import GradBucket, MeanAggregator
@@ -36,7 +35,12 @@ from tests.strategy.helpers import (
     shared_tmpdir,
     trainer,
 )
-from tests.strategy.resume import assert_same_training_state, fit_noisy, stop_then_resume
+from tests.strategy.resume import (
+    assert_same_training_state,
+    fit_noisy,
+    fit_with_epoch_checkpoints,
+    stop_then_resume,
+)
 
 
 class CountingMean(MeanAggregator):
@@ -57,18 +61,8 @@ class CountingMean(MeanAggregator):
 
 
 def _fit(directory: str, epochs: int, seed: int, ckpt_path: str | None = None) -> tuple[Regressor, CountingMean]:
-    data = regression_data(SIZE * 4 * 3)
-    model = Regressor(mlp(seed=seed), lr=0.1, momentum=0.9)
     aggregator = CountingMean()
-    checkpoints = ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}")
-    fit = trainer(
-        strategy=MPIADStrategy(aggregator=aggregator),
-        max_epochs=epochs,
-        callbacks=[checkpoints],
-        enable_checkpointing=True,
-    )
-    fit.fit(model, loader(data, 4), ckpt_path=ckpt_path)
-    return model, aggregator
+    return fit_with_epoch_checkpoints(aggregator, directory, epochs, seed, ckpt_path), aggregator
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=90)
