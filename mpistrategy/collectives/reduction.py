@@ -32,6 +32,7 @@ from mpistrategy.collectives._product import start_exclusive_product, times_othe
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder
 from mpistrategy.comm.buffers import (
+    LOGICAL_OPS,
     NATIVE_REDUCTIONS,
     REDUCE_OPS,
     check_out,
@@ -55,6 +56,16 @@ from mpistrategy.comm.pool import receive_pool
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 
 
+def _complete(result: torch.Tensor, op: str, size: int) -> None:
+    """The last step of a reduction over ``size`` ranks, in place in MPI's result: avg divides the sum by P, and a
+    logical op of integers over one rank turns the values into 1 or 0 (MPI copies a single rank's values
+    unchanged; from two ranks on its logical ops give 1 or 0)."""
+    if op == "avg":
+        to_mean(result, size)
+    elif size == 1 and op in LOGICAL_OPS and result.dtype != torch.bool:
+        result.copy_(result != 0)
+
+
 def _allreduce_buffers(
     tensor: torch.Tensor, op: str, out: torch.Tensor | None
 ) -> tuple[object, torch.Tensor, MPI.Op, torch.Tensor]:
@@ -76,9 +87,8 @@ def _allreduce_buffers(
 def _allreduce_result(
     result: torch.Tensor, tensor: torch.Tensor, op: str, size: int, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """The completed allreduce in ``tensor``'s dtype and device (or in ``out``): averaged for ``op="avg"``."""
-    if op == "avg":
-        to_mean(result, size)
+    """The completed allreduce in ``tensor``'s dtype and device (or in ``out``), finished by :func:`_complete`."""
+    _complete(result, op, size)
     return deliver(result, out, tensor.dtype, tensor.device, "allreduce")
 
 
@@ -273,8 +283,7 @@ class _Reduce(torch.autograd.Function):
         ctx.others = None if others is None else others.wait()
         if result is None:
             return tensor.new_empty(0)
-        if op == "avg":
-            to_mean(result, comm.size)
+        _complete(result, op, comm.size)
         return off_wire(result, tensor.dtype, tensor.device)
 
     @staticmethod
@@ -323,8 +332,7 @@ def _reduce_scatter_front(
     result = empty_on_wire((sizes[rank], *send.shape[1:]), wire_dtype, front.device)
     counts = [s * row for s in sizes]
     channel.Reduce_scatter(mpi_buffer(send), mpi_buffer(result), counts, op=mpi_op(wire_dtype, op))
-    if op == "avg":
-        to_mean(result, size)
+    _complete(result, op, size)
     return off_wire(result, front.dtype, front.device)
 
 
