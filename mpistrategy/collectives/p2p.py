@@ -398,13 +398,13 @@ class _Send(torch.autograd.Function):
 class _Recv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, link: torch.Tensor, entry: _Incoming, comm: Communicator):
-        ctx.src, ctx.number, ctx.comm, ctx.link_dtype = entry.src, entry.number, comm, link.dtype
+        ctx.src, ctx.number, ctx.comm = entry.src, entry.number, comm
         return _receive(entry)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         _send_gradient(grad, ctx.src, ctx.number, ctx.comm)
-        return torch.zeros(0, dtype=ctx.link_dtype), None, None
+        return None, None, None
 
 
 class _SendRecv(torch.autograd.Function):
@@ -419,7 +419,7 @@ class _SendRecv(torch.autograd.Function):
         dst: int,
         comm: Communicator,
     ):
-        ctx.comm, ctx.dst, ctx.src, ctx.link_dtype = comm, dst, entry.src, link.dtype
+        ctx.comm, ctx.dst, ctx.src = comm, dst, entry.src
         ctx.sent_number, ctx.received_number = number, entry.number
         ctx.shape, ctx.dtype, ctx.device = tensor.shape, tensor.dtype, tensor.device
         ctx.return_gradient = entry.meta.requires_grad  # src expects the gradient of what it sent
@@ -435,7 +435,7 @@ class _SendRecv(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             pending = _receive_gradient(ctx.shape, ctx.dtype, ctx.device, ctx.dst, ctx.sent_number, ctx.comm)
             grad_in = pending.wait()
-        return grad_in, torch.zeros(0, dtype=ctx.link_dtype), None, None, None, None, None
+        return grad_in, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -560,7 +560,7 @@ def irecv(
 
     def start_backward(grad: torch.Tensor) -> Pending:
         _send_gradient(grad, src, entry.number, comm)
-        return _Requests([], lambda: torch.zeros(0, device=target))
+        return _Requests([], lambda: None)
 
     def wrap(result: torch.Tensor) -> torch.Tensor:
         return result if entry.meta.requires_grad else result.detach()
