@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives.placeholder import anchor
 from mpistrategy.collectives.reduction import _broadcast_from
 from mpistrategy.comm.buffers import (
@@ -61,6 +62,7 @@ class _Broadcast(torch.autograd.Function):
         return None, None, None, None, None
 
 
+@eager_under_compile
 def broadcast(
     tensor: torch.Tensor | None,
     root: int = 0,

@@ -78,6 +78,7 @@ from collections import deque
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder, anchor
 from mpistrategy.comm.buffers import check_tensor, empty_on_wire, mpi_buffer, off_wire, on_wire
@@ -352,6 +353,7 @@ def _receive_gradient(
     return _Requests([request], lambda: off_wire(buffer, dtype, device), keepalive=(buffer,))
 
 
+@eager_under_compile
 def wait_backward_sends() -> None:
     """Block until every gradient this rank sent in a backward pass (and every failure notice) has been received.
 
@@ -478,6 +480,7 @@ class _SendRecv(torch.autograd.Function):
 # Public ops
 
 
+@eager_under_compile
 def send(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None) -> Placeholder:
     """Send ``tensor`` to rank ``dst``; returns when the tensor may be reused (``MPI_Send`` semantics).
 
@@ -501,6 +504,7 @@ def send(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communic
     return Placeholder("send", dst, tuple(tensor.shape), tensor.dtype, result)
 
 
+@eager_under_compile
 def recv(
     src: int,
     tag: int = 0,
@@ -524,6 +528,7 @@ def recv(
     return _Recv.apply(anchor(entry.meta.requires_grad, entry.meta.dtype), entry, comm)
 
 
+@eager_under_compile
 def sendrecv(
     tensor: torch.Tensor, dst: int, src: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor:
@@ -549,6 +554,7 @@ def sendrecv(
     return _SendRecv.apply(tensor, link, entry, sending, number, dst, comm)
 
 
+@eager_under_compile
 def isend(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None) -> Handle:
     """Non-blocking :func:`send`: ``handle.wait()`` returns the :class:`Placeholder` once ``tensor`` may be reused.
 
@@ -574,6 +580,7 @@ def isend(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communi
     return Handle(tensor, Link(start_forward, start_backward), wrap)
 
 
+@eager_under_compile
 def irecv(
     src: int,
     tag: int = 0,

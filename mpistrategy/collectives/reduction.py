@@ -27,6 +27,7 @@ import math
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
 from mpistrategy.collectives._product import start_exclusive_product, times_others
 from mpistrategy.collectives.handles import Handle, Link, Pending
@@ -161,6 +162,7 @@ def _allreduce_arguments(
     return (dtype, shape, _OP_CODES[op], recorded), recorded  # signature(tensor, op, recorded), built inline
 
 
+@eager_under_compile
 def allreduce(
     tensor: torch.Tensor,
     op: str = "sum",
@@ -191,6 +193,7 @@ def allreduce(
     return _Allreduce.apply(tensor, op, comm)
 
 
+@eager_under_compile
 def iallreduce(
     tensor: torch.Tensor,
     op: str = "sum",
@@ -304,6 +307,7 @@ def _reduce_arguments(tensor: torch.Tensor, op: str, root: int, comm: Communicat
     return signature(tensor, _OP_CODES[op], root, grad_flag(tensor)), None
 
 
+@eager_under_compile
 def reduce(
     tensor: torch.Tensor, root: int = 0, op: str = "sum", comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor | Placeholder:
@@ -422,6 +426,7 @@ def _reduce_scatter(
     return _ReduceScatter.apply(tensor, sizes, dim, op, comm)
 
 
+@eager_under_compile
 def reduce_scatter_v(
     tensor: torch.Tensor,
     sizes: list[int] | None = None,
@@ -439,6 +444,7 @@ def reduce_scatter_v(
     return _reduce_scatter("reduce_scatter_v", tensor, sizes, dim, op, comm, equal=False)
 
 
+@eager_under_compile
 def reduce_scatter(
     tensor: torch.Tensor, dim: int = 0, op: str = "sum", comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor:
