@@ -2,7 +2,10 @@
 
 Every op is a torch autograd op. Convention: the global objective is the sum over ranks of each rank's own loss,
 ``L = sum_r L_r``; each op's backward is the exact adjoint of its forward under that convention (see the module
-docstrings in :mod:`mpistrategy.collectives`). Importing the package wraps ``MPI.COMM_WORLD`` (collective).
+docstrings in :mod:`mpistrategy.collectives`), and an input an op does not read (a non-root's tensor in
+``broadcast`` or ``scatter``) gets no gradient (``None``), as torch gives an input the output does not depend on.
+Under ``torch.compile`` every op is a graph break and runs eagerly. Importing the package wraps
+``MPI.COMM_WORLD`` (collective).
 """
 
 from mpistrategy.collectives.alltoall import alltoall, alltoall_v

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, to_front
 from mpistrategy.collectives.gather import _blocks, check_along, check_sizes, raise_if_flagged
 from mpistrategy.comm.buffers import empty_on_wire, off_wire, on_wire
@@ -46,6 +47,7 @@ class _Alltoall(torch.autograd.Function):
         return from_front(grad_in, ctx.dim), None, None, None, None
 
 
+@eager_under_compile
 def alltoall(tensor: torch.Tensor, dim: int = 0, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
     """Cut ``tensor`` into P equal blocks along ``dim`` and send block r to rank r; rank r gets the blocks it
     received, concatenated in rank order.
@@ -79,6 +81,7 @@ def _exchange_counts(comm: Communicator, send_sizes: list[int] | None) -> list[i
     return theirs.tolist()
 
 
+@eager_under_compile
 def alltoall_v(
     tensor: torch.Tensor,
     send_sizes: Sequence[int],

@@ -2,7 +2,8 @@
 
 Non-root ranks pass ``None`` (or any tensor whose autograd graph they want linked; its value is not used).
 Adjoint (objective = sum of every rank's loss): ``y_r = x_root`` for all r, so
-``dL/dx_root = sum_r g_r`` (a reduce-sum to the root) and non-root inputs get zero gradient.
+``dL/dx_root = sum_r g_r`` (a reduce-sum to the root). A non-root input is not read, so it gets no gradient
+(``None``, torch's rule for an input the output does not depend on).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives.placeholder import anchor
 from mpistrategy.collectives.reduction import _broadcast_from
 from mpistrategy.comm.buffers import (
@@ -44,7 +46,7 @@ def _receive(
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, meta: TensorMeta, device: torch.device, root: int, comm: Communicator):
-        ctx.root, ctx.comm, ctx.input_shape, ctx.input_dtype = root, comm, tensor.shape, tensor.dtype
+        ctx.root, ctx.comm = root, comm
         return _receive(tensor, meta, device, root, comm)
 
     @staticmethod
@@ -57,9 +59,10 @@ class _Broadcast(torch.autograd.Function):
             comm.backward.Reduce(mpi_buffer(send), mpi_buffer(total), op=mpi_op(wire_dtype, "sum"), root=ctx.root)
             return off_wire(total, grad.dtype, grad.device), None, None, None, None
         comm.backward.Reduce(mpi_buffer(send), None, op=mpi_op(wire_dtype, "sum"), root=ctx.root)
-        return torch.zeros(ctx.input_shape, dtype=ctx.input_dtype, device=grad.device), None, None, None, None
+        return None, None, None, None, None
 
 
+@eager_under_compile
 def broadcast(
     tensor: torch.Tensor | None,
     root: int = 0,
@@ -71,8 +74,8 @@ def broadcast(
     """Every rank gets a copy of the root's ``tensor``; receivers need not know its shape or dtype.
 
     Args:
-        tensor: the value on ``root``; on other ranks ``None`` or a tensor (its value is ignored and it receives
-            zero gradient; passing it links its graph).
+        tensor: the value on ``root``; on other ranks ``None`` or a tensor (its value is ignored and it gets no
+            gradient; passing it links its graph).
         root: the sending rank.
         device: where receivers put the result (default: their tensor's device, else the CPU).
         out: a tensor of the root's shape and dtype that receives the result and is returned (no new

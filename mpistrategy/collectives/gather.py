@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
 from mpistrategy.collectives.placeholder import Placeholder, anchor
 from mpistrategy.collectives.reduction import _allgather_front, _reduce_scatter_front
@@ -258,6 +259,7 @@ def _gather(
     return Placeholder(what, root, _resized(tensor.shape, dim, sum(sizes)), tensor.dtype, result)
 
 
+@eager_under_compile
 def gather(
     tensor: torch.Tensor, root: int = 0, dim: int = 0, comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor | Placeholder:
@@ -272,6 +274,7 @@ def gather(
     return _gather("gather", tensor, root, dim, comm, None, equal=True)
 
 
+@eager_under_compile
 def gather_v(
     tensor: torch.Tensor,
     root: int = 0,
@@ -381,6 +384,7 @@ def _scatter(
     return _Scatter.apply(source, sizes, dim, meta.shape, meta.dtype, target, root, comm)
 
 
+@eager_under_compile
 def scatter(
     tensor: torch.Tensor | None,
     root: int = 0,
@@ -408,6 +412,7 @@ def scatter(
     return _scatter("scatter", tensor, root, dim, comm, None, device, equal=True)
 
 
+@eager_under_compile
 def scatter_v(
     tensor: torch.Tensor | None,
     root: int = 0,
@@ -452,6 +457,7 @@ class _Allgather(torch.autograd.Function):
         return from_front(block, ctx.dim), None, None, None
 
 
+@eager_under_compile
 def allgather(
     tensor: torch.Tensor,
     dim: int = 0,
@@ -475,6 +481,7 @@ def allgather(
     return _Allgather.apply(tensor, sizes, dim, comm)
 
 
+@eager_under_compile
 def allgather_v(
     tensor: torch.Tensor,
     dim: int = 0,

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
+
 
 class Pending:
     """MPI requests in flight, the buffers they use, and how to turn them into the op's result."""
@@ -97,6 +99,7 @@ class Handle:
         else:
             link.forward = link.start_forward(tensor.detach())
 
+    @eager_under_compile
     def wait(self) -> Any:
         """Complete the op and return its result, linked into the autograd graph when the input was."""
         if self._result is None:
@@ -104,6 +107,7 @@ class Handle:
             self._result = self._wrap(result) if self._wrap else result
         return self._result
 
+    @eager_under_compile
     def test(self) -> bool:
         """Whether the op has completed; ``wait()`` must still be called to get the result."""
         return self._result is not None or self._link.forward.test()

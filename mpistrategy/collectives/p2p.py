@@ -51,8 +51,14 @@ no peer to tell. A peer waiting for that sender's message then waits until the j
 that receiver stays queued (a blocking send of a large one waits) until its next receive from that sender with
 that tag takes it.
 
-Self messages. ``send``/``recv`` with the own rank raise (a blocking send to oneself waits forever);
-``sendrecv(x, dst=rank, src=rank)``, ``isend``/``irecv`` to and from the own rank work.
+Self messages. ``sendrecv(x, dst=rank, src=rank)``, ``isend`` and ``irecv`` to and from the own rank always work.
+A blocking ``send`` to the own rank works when an ``irecv`` from it with that tag is already posted and no earlier
+message to itself will take it (as in MPI, where the send then completes); a blocking ``recv`` from the own rank
+works when a message to itself with that tag (an ``isend``, a ``sendrecv``) is on its way that no earlier receive
+will take. Otherwise they raise at once, naming what to post first: they would wait forever. The module counts,
+per communicator and tag, the receives from the own rank still waiting for a header (``_arriving``) and the
+messages to the own rank no receive has taken yet (``_self_sent``): MPI matches them in order, so the k-th such
+message goes to the k-th such receive.
 
 Limitations. ``MPI.ANY_SOURCE`` and ``MPI.ANY_TAG`` are not supported (the gradient must go back to a rank known
 when the receive is posted). The data of an ``irecv`` is received while this rank is inside a p2p call (including
@@ -72,6 +78,7 @@ from collections import deque
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder, anchor
 from mpistrategy.comm.buffers import check_tensor, empty_on_wire, mpi_buffer, off_wire, on_wire
@@ -87,6 +94,7 @@ _CPU = torch.device("cpu")
 _numbers: dict[tuple[Communicator, int], int] = {}  # next message number, per (communicator, destination)
 _tag_bounds: dict[Communicator, int] = {}
 _arriving: dict[tuple[Communicator, int, int], deque[_Incoming]] = {}  # receives without a posted data receive
+_self_sent: dict[tuple[Communicator, int], int] = {}  # per (communicator, tag): messages to itself not yet received
 # Isends nobody waits for (gradients sent in backward, failure notices) and their buffers, released once complete.
 _detached_sends: list[tuple[MPI.Request, torch.Tensor]] = []
 
@@ -116,18 +124,43 @@ def _check_tag(tag: int, comm: Communicator, what: str) -> None:
         )
 
 
-def _check_peer(peer: int, comm: Communicator, what: str, role: str, allow_self: bool) -> None:
+def _check_peer(peer: int, comm: Communicator, what: str, role: str) -> None:
     if role == "src" and isinstance(peer, int) and not isinstance(peer, bool) and peer == MPI.ANY_SOURCE:
         raise ValueError(
             f"{what}: {role}=MPI.ANY_SOURCE is not supported (the gradient must go back to a rank known when the "
             f"receive is posted); pass the sending rank, between 0 and {comm.size - 1}."
         )
     check_rank(peer, comm, what, role)
-    if peer == comm.rank and not allow_self:
+
+
+def _check_blocking_self(peer: int, tag: int, comm: Communicator, what: str) -> None:
+    """Raise if a blocking ``send`` (``what="send"``, ``peer`` its dst) or ``recv`` (its src) with the own rank
+    would wait forever: nothing posted earlier on this rank completes it (see Self messages)."""
+    if peer != comm.rank:
+        return
+    unmatched = len(_arriving.get((comm, peer, tag), ())) - _self_sent.get((comm, tag), 0)
+    if what == "send" and unmatched <= 0:
         raise ValueError(
-            f"{what}: {role}={peer} is this rank itself, and a blocking {what} with itself would wait forever. "
-            f"Use sendrecv(tensor, dst={peer}, src={peer}), or isend and irecv, to send a tensor to the own rank."
+            f"send: dst={peer} is this rank itself, and no irecv(src={peer}, tag={tag}) posted before is waiting "
+            f"for the message, so a blocking send would wait forever. Post that irecv first, or use isend (or "
+            f"sendrecv(tensor, dst={peer}, src={peer}))."
         )
+    if what == "recv" and unmatched >= 0:
+        raise ValueError(
+            f"recv: src={peer} is this rank itself, and no message from this rank to itself with tag={tag} (an "
+            "isend or sendrecv posted before) is on its way that an earlier receive does not take, so a blocking "
+            f"recv would wait forever. Post isend(tensor, dst={peer}, tag={tag}) first, or use irecv."
+        )
+
+
+def _count_self_message(comm: Communicator, dst: int, tag: int, change: int) -> None:
+    """Count a message to the own rank in ``_self_sent`` (+1 when posted, -1 when its header is received)."""
+    if dst == comm.rank:
+        count = _self_sent.get((comm, tag), 0) + change
+        if count:
+            _self_sent[(comm, tag)] = count
+        else:
+            del _self_sent[(comm, tag)]
 
 
 def _prepare_send(
@@ -136,20 +169,21 @@ def _prepare_send(
     tag: int,
     comm: MPI.Comm | Communicator | None,
     what: str,
-    allow_self: bool,
     src: int | None = None,
 ) -> tuple[Communicator, torch.Tensor]:
     """Check the arguments of a send (and sendrecv's ``src``) and build its header (numbered by :func:`_number`).
 
-    An invalid ``dst`` or ``tag`` raises here alone: there is no peer to tell. Any other problem is first sent to
+    An invalid ``dst`` or ``tag``, or a blocking send to the own rank that would wait forever, raises here alone:
+    there is no peer to tell. Any other problem is first sent to
     ``dst`` as a failure notice, so that the receive waiting for this message raises too; sendrecv then also
     takes the message ``src`` sends it (and drops it), so that ``src`` is not left waiting either.
     """
     comm = resolve(comm, collective=False)
-    _check_peer(dst, comm, what, "dst", allow_self)
+    _check_peer(dst, comm, what, "dst")
     _check_tag(tag, comm, what)
+    _check_blocking_self(dst, tag, comm, what)
     header, problem = attempt(_header_of, tensor, what)
-    source = None if src is None else attempt(_check_peer, src, comm, what, "src", True)[1]
+    source = None if src is None else attempt(_check_peer, src, comm, what, "src")[1]
     if problem is None and source is None:
         return comm, header
     problem = problem or source
@@ -176,6 +210,7 @@ def _notify(problem: Exception, comm: Communicator, dst: int, tag: int, what: st
     data = torch.tensor(list(text), dtype=torch.uint8)
     for buffer in (header, data):
         _detached_sends.append((comm.forward.Isend(mpi_buffer(buffer), dst, tag), buffer))
+    _count_self_message(comm, dst, tag, +1)
     with_note(problem, f"{what} raised this on rank {comm.rank}; rank {dst}, its peer, raises too when it receives.")
 
 
@@ -222,6 +257,7 @@ class _Incoming:
         self.buffer = empty_on_wire(meta.shape, meta.dtype, _CPU if self.failed else self.device)
         self.request = self.comm.forward.Irecv(mpi_buffer(self.buffer), self.src, self.tag)
         self.meta = meta
+        _count_self_message(self.comm, self.src, self.tag, -1)
 
     def result(self) -> torch.Tensor:
         return off_wire(self.buffer, self.meta.dtype, self.device)
@@ -317,6 +353,7 @@ def _receive_gradient(
     return _Requests([request], lambda: off_wire(buffer, dtype, device), keepalive=(buffer,))
 
 
+@eager_under_compile
 def wait_backward_sends() -> None:
     """Block until every gradient this rank sent in a backward pass (and every failure notice) has been received.
 
@@ -373,6 +410,7 @@ def _post_send(
         comm.forward.Isend(mpi_buffer(header), dst, tag),
         comm.forward.Isend(mpi_buffer(data), dst, tag),
     ]
+    _count_self_message(comm, dst, tag, +1)
     return requests, (header, data)
 
 
@@ -398,13 +436,13 @@ class _Send(torch.autograd.Function):
 class _Recv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, link: torch.Tensor, entry: _Incoming, comm: Communicator):
-        ctx.src, ctx.number, ctx.comm, ctx.link_dtype = entry.src, entry.number, comm, link.dtype
+        ctx.src, ctx.number, ctx.comm = entry.src, entry.number, comm
         return _receive(entry)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         _send_gradient(grad, ctx.src, ctx.number, ctx.comm)
-        return torch.zeros(0, dtype=ctx.link_dtype), None, None
+        return None, None, None
 
 
 class _SendRecv(torch.autograd.Function):
@@ -419,7 +457,7 @@ class _SendRecv(torch.autograd.Function):
         dst: int,
         comm: Communicator,
     ):
-        ctx.comm, ctx.dst, ctx.src, ctx.link_dtype = comm, dst, entry.src, link.dtype
+        ctx.comm, ctx.dst, ctx.src = comm, dst, entry.src
         ctx.sent_number, ctx.received_number = number, entry.number
         ctx.shape, ctx.dtype, ctx.device = tensor.shape, tensor.dtype, tensor.device
         ctx.return_gradient = entry.meta.requires_grad  # src expects the gradient of what it sent
@@ -435,13 +473,14 @@ class _SendRecv(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             pending = _receive_gradient(ctx.shape, ctx.dtype, ctx.device, ctx.dst, ctx.sent_number, ctx.comm)
             grad_in = pending.wait()
-        return grad_in, torch.zeros(0, dtype=ctx.link_dtype), None, None, None, None, None
+        return grad_in, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public ops
 
 
+@eager_under_compile
 def send(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None) -> Placeholder:
     """Send ``tensor`` to rank ``dst``; returns when the tensor may be reused (``MPI_Send`` semantics).
 
@@ -452,18 +491,20 @@ def send(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communic
     Args:
         tensor: any shape (up to 12 dimensions), dtype, layout or device (CUDA is staged through host memory
             unless MPI is CUDA-aware); its shape, dtype and requires_grad travel ahead of it.
-        dst: the receiving rank, not this rank (use :func:`sendrecv` or :func:`isend` to send to oneself).
+        dst: the receiving rank; this rank only when an :func:`irecv` from it with ``tag`` is already posted
+            (else it raises: the send would wait forever; :func:`isend` and :func:`sendrecv` always work).
         tag: an int between 0 and ``MPI_TAG_UB``; messages with one ``(dst, tag)`` arrive in order.
         comm: an mpi4py communicator or :class:`Communicator` (default: the world). A communicator other than
             the world must have been wrapped with ``mpistrategy.Communicator(comm)`` on all its ranks first.
     """
-    comm, header = _prepare_send(tensor, dst, tag, comm, "send", allow_self=False)
+    comm, header = _prepare_send(tensor, dst, tag, comm, "send")
     _progress()
     _number(header, comm, dst)
     result = _Send.apply(tensor, header, dst, tag, comm)
     return Placeholder("send", dst, tuple(tensor.shape), tensor.dtype, result)
 
 
+@eager_under_compile
 def recv(
     src: int,
     tag: int = 0,
@@ -474,16 +515,20 @@ def recv(
 
     The result has the sender's shape and dtype and lives on ``device`` (default: the CPU). If the sender's tensor
     required grad, the result requires grad and its backward sends the gradient back to ``src`` (where the
-    sender's placeholder receives it).
+    sender's placeholder receives it). ``src`` is this rank only when a message to itself with ``tag`` is already
+    on its way (an :func:`isend` or :func:`sendrecv`) that no earlier receive takes; else it raises (the receive
+    would wait forever).
     """
     comm = resolve(comm, collective=False)
-    _check_peer(src, comm, "recv", "src", allow_self=False)
+    _check_peer(src, comm, "recv", "src")
     _check_tag(tag, comm, "recv")
+    _check_blocking_self(src, tag, comm, "recv")
     entry = _expect(comm, src, tag, torch.device(device) if device is not None else _CPU, "recv")
     _wait_header(entry)
     return _Recv.apply(anchor(entry.meta.requires_grad, entry.meta.dtype), entry, comm)
 
 
+@eager_under_compile
 def sendrecv(
     tensor: torch.Tensor, dst: int, src: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor:
@@ -495,7 +540,7 @@ def sendrecv(
     If only this rank's ``tensor`` requires grad, the result still carries the graph that receives its gradient,
     so it must reach this rank's loss.
     """
-    comm, header = _prepare_send(tensor, dst, tag, comm, "sendrecv", allow_self=True, src=src)
+    comm, header = _prepare_send(tensor, dst, tag, comm, "sendrecv", src=src)
     _progress()
     number = _number(header, comm, dst)
     sending = _post_send(tensor, header, dst, tag, comm)
@@ -509,6 +554,7 @@ def sendrecv(
     return _SendRecv.apply(tensor, link, entry, sending, number, dst, comm)
 
 
+@eager_under_compile
 def isend(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communicator | None = None) -> Handle:
     """Non-blocking :func:`send`: ``handle.wait()`` returns the :class:`Placeholder` once ``tensor`` may be reused.
 
@@ -516,7 +562,7 @@ def isend(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communi
     the placeholder posts the receive of the gradient when autograd reaches the Finish node and waits for it at
     the Start node, where ``tensor``'s gradient is needed.
     """
-    comm, header = _prepare_send(tensor, dst, tag, comm, "isend", allow_self=True)
+    comm, header = _prepare_send(tensor, dst, tag, comm, "isend")
     _progress()
     number = _number(header, comm, dst)
     shape, dtype, device = tensor.shape, tensor.dtype, tensor.device
@@ -534,6 +580,7 @@ def isend(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communi
     return Handle(tensor, Link(start_forward, start_backward), wrap)
 
 
+@eager_under_compile
 def irecv(
     src: int,
     tag: int = 0,
@@ -547,7 +594,7 @@ def irecv(
     or any other). ``src`` may be this rank. Backward posts an Isend of the gradient to ``src``.
     """
     comm = resolve(comm, collective=False)
-    _check_peer(src, comm, "irecv", "src", allow_self=True)
+    _check_peer(src, comm, "irecv", "src")
     _check_tag(tag, comm, "irecv")
     target = torch.device(device) if device is not None else _CPU
     entry = _expect(comm, src, tag, target, "irecv")
@@ -560,7 +607,7 @@ def irecv(
 
     def start_backward(grad: torch.Tensor) -> Pending:
         _send_gradient(grad, src, entry.number, comm)
-        return _Requests([], lambda: torch.zeros(0, device=target))
+        return _Requests([], lambda: None)
 
     def wrap(result: torch.Tensor) -> torch.Tensor:
         return result if entry.meta.requires_grad else result.detach()

@@ -50,11 +50,11 @@ class Placeholder:
     def backward(self) -> None:
         """Run this rank's part of the op's backward (this rank contributes a zero cotangent)."""
         if self._anchor.grad_fn is not None:
-            self._anchor.sum().backward()
+            self.as_loss_term().backward()
 
     def as_loss_term(self) -> torch.Tensor:
-        """A scalar zero linked to the op's graph, to add to a loss."""
-        return self._anchor.sum()
+        """A real scalar zero linked to the op's graph (for complex values too), to add to a loss."""
+        return self._anchor.real.sum()
 
     def __add__(self, other: object) -> torch.Tensor:
         if isinstance(other, (torch.Tensor, int, float)):

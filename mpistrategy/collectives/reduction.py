@@ -7,12 +7,17 @@ each rank's own loss, and ``g_r = dL_r/dy_r`` is rank r's cotangent of the op's 
 - allreduce avg, ``y = (1/P) sum_r x_r``: ``dL/dx_r = (1/P) sum_s g_s`` (an allreduce avg).
 - allreduce max/min: ``dL/dx_r = [r owns the extremum] * sum_s g_s`` elementwise. Where several ranks hold the
   same extreme value (a tie), the lowest of those ranks owns it and the others get zero.
+- allreduce prod, ``y = prod_s x_s``: ``dL/dx_r = (sum_s g_s) * conj(prod_{s != r} x_s)``, the product of the other
+  ranks' inputs computed by two scans, without dividing, so zeros get the exact gradient (see :mod:`._product`).
 - reduce to ``root`` (sum): ``y_root = sum_r x_r``; ``dL/dx_r = g_root`` (a broadcast from the root); avg scales
-  by 1/P.
-- reduce_scatter (sum): ``y_r = sum_s x_s[block r]``; ``dL/dx_s[block r] = g_r`` (an allgather); avg scales by 1/P.
+  by 1/P; prod multiplies by ``conj(prod_{s != r} x_s)``.
+- reduce_scatter (sum): ``y_r = sum_s x_s[block r]``; ``dL/dx_s[block r] = g_r`` (an allgather); avg scales by 1/P;
+  prod multiplies by ``conj(prod_{t != s} x_t)``.
 
-Half-precision tensors are summed in float32 and rounded once; bool supports max (logical or) and min (logical
-and). The forward and backward messages travel on distinct duplicates of the communicator.
+The logical (``land``, ``lor``, ``lxor``) and bitwise (``band``, ``bor``, ``bxor``) ops take bool and integer
+tensors only, which torch never lets require grad: their results carry no gradient. Half-precision tensors are
+summed (and multiplied) in float32 and rounded once; bool supports max (logical or) and min (logical and) and the
+logical and bitwise ops. The forward and backward messages travel on distinct duplicates of the communicator.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import math
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
+from mpistrategy.collectives._product import start_exclusive_product, times_others
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder
 from mpistrategy.comm.buffers import (
+    LOGICAL_OPS,
     NATIVE_REDUCTIONS,
     REDUCE_OPS,
     check_out,
@@ -49,6 +57,16 @@ from mpistrategy.comm.pool import receive_pool
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 
 
+def _complete(result: torch.Tensor, op: str, size: int) -> None:
+    """The last step of a reduction over ``size`` ranks, in place in MPI's result: avg divides the sum by P, and a
+    logical op of integers over one rank turns the values into 1 or 0 (MPI copies a single rank's values
+    unchanged; from two ranks on its logical ops give 1 or 0)."""
+    if op == "avg":
+        to_mean(result, size)
+    elif size == 1 and op in LOGICAL_OPS and result.dtype != torch.bool:
+        result.copy_(result != 0)
+
+
 def _allreduce_buffers(
     tensor: torch.Tensor, op: str, out: torch.Tensor | None
 ) -> tuple[object, torch.Tensor, MPI.Op, torch.Tensor]:
@@ -70,9 +88,8 @@ def _allreduce_buffers(
 def _allreduce_result(
     result: torch.Tensor, tensor: torch.Tensor, op: str, size: int, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """The completed allreduce in ``tensor``'s dtype and device (or in ``out``): averaged for ``op="avg"``."""
-    if op == "avg":
-        to_mean(result, size)
+    """The completed allreduce in ``tensor``'s dtype and device (or in ``out``), finished by :func:`_complete`."""
+    _complete(result, op, size)
     return deliver(result, out, tensor.dtype, tensor.device, "allreduce")
 
 
@@ -98,10 +115,13 @@ def _start_allreduce(
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, op: str, comm: Communicator) -> torch.Tensor:
+        others = start_exclusive_product(tensor, comm) if op == "prod" else None
         result = _allreduce(tensor, op, comm.forward, comm.size)
         ctx.op, ctx.comm = op, comm
         if op in ("max", "min"):
             ctx.save_for_backward(tensor, result)
+        elif others is not None:
+            ctx.others = others.wait()
         return result
 
     @staticmethod
@@ -109,6 +129,8 @@ class _Allreduce(torch.autograd.Function):
         comm = ctx.comm
         if ctx.op in ("sum", "avg"):
             return _allreduce(grad, ctx.op, comm.backward, comm.size), None, None
+        if ctx.op == "prod":
+            return times_others(_allreduce(grad, "sum", comm.backward, comm.size), ctx.others), None, None
         tensor, result = ctx.saved_tensors
         candidate = torch.where(tensor == result, comm.rank, comm.size).to(torch.int32)
         owner = _allreduce(candidate, "min", comm.backward, comm.size)
@@ -117,11 +139,11 @@ class _Allreduce(torch.autograd.Function):
 
 
 def _check_reduction(tensor: torch.Tensor, op: str, what: str, refusal: str | None = None) -> None:
-    """Raise unless ``tensor`` can be reduced with ``op``. Ops that offer only sum and avg pass ``refusal``, the
-    end of the error for the other ops."""
+    """Raise unless ``tensor`` can be reduced with ``op``. Ops that do not offer max and min pass ``refusal``, the
+    end of the error for them."""
     check_tensor(tensor, what)
     reduction_dtype(tensor.dtype, op, what)
-    if refusal is not None and op not in ("sum", "avg"):
+    if refusal is not None and op in ("max", "min"):
         raise ValueError(f"{what}: op={op!r} is not {refusal}.")
 
 
@@ -140,6 +162,7 @@ def _allreduce_arguments(
     return (dtype, shape, _OP_CODES[op], recorded), recorded  # signature(tensor, op, recorded), built inline
 
 
+@eager_under_compile
 def allreduce(
     tensor: torch.Tensor,
     op: str = "sum",
@@ -151,14 +174,17 @@ def allreduce(
 
     Args:
         tensor: same shape and dtype on every rank.
-        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"prod"``; for bool and integer tensors also the logical
+            ``"land"``, ``"lor"``, ``"lxor"`` (nonzero is true; the result is 1 or 0 in the tensor's dtype) and the
+            bitwise ``"band"``, ``"bor"``, ``"bxor"``.
         comm: an mpi4py communicator or :class:`Communicator` (default: the world).
         out: a tensor of the same shape and dtype to write the result into and return (no new allocation;
             ``out=tensor`` reduces in place). Only outside autograd: under ``torch.no_grad()`` or for a
             ``tensor`` that does not require grad.
 
     Backward (objective = sum of every rank's loss): sum and avg apply the same allreduce to the cotangents;
-    max and min send the summed cotangent to the rank holding the extremum (the lowest such rank on ties).
+    max and min send the summed cotangent to the rank holding the extremum (the lowest such rank on ties); prod
+    multiplies the summed cotangent by the conjugate product of the other ranks' inputs (exact with zeros).
     """
     comm = resolve(comm)
     recorded = checked(comm, "allreduce", _ALLREDUCE_AGREES, _allreduce_arguments, "allreduce", tensor, op, out, None)
@@ -167,6 +193,7 @@ def allreduce(
     return _Allreduce.apply(tensor, op, comm)
 
 
+@eager_under_compile
 def iallreduce(
     tensor: torch.Tensor,
     op: str = "sum",
@@ -174,20 +201,51 @@ def iallreduce(
     *,
     out: torch.Tensor | None = None,
 ) -> Handle:
-    """Non-blocking :func:`allreduce` (``op`` is ``"sum"`` or ``"avg"``); ``handle.wait()`` gives the result.
+    """Non-blocking :func:`allreduce` with every op but max and min; ``handle.wait()`` gives the result.
 
     The result stays on the autograd path: its backward posts a non-blocking allreduce of the cotangents that
-    completes when autograd reaches ``tensor``. ``out=tensor`` reduces in place (no copy); it is only allowed
-    outside autograd (under ``torch.no_grad()`` or for tensors that do not require grad).
+    completes when autograd reaches ``tensor`` (for prod, the product of the other ranks' inputs is computed
+    during the forward, overlapped with it). ``out=tensor`` reduces in place (no copy); it is only allowed outside
+    autograd (under ``torch.no_grad()`` or for tensors that do not require grad).
     """
     comm = resolve(comm)
-    refusal = "available non-blocking; use 'sum' or 'avg', or allreduce"
-    checked(comm, "iallreduce", _ALLREDUCE_AGREES, _allreduce_arguments, "iallreduce", tensor, op, out, refusal)
+    refusal = "available non-blocking; use allreduce for max and min"
+    recorded = checked(
+        comm, "iallreduce", _ALLREDUCE_AGREES, _allreduce_arguments, "iallreduce", tensor, op, out, refusal
+    )
+    if op == "prod" and recorded:
+        product = _NonBlockingProduct(comm)
+        return Handle(tensor, Link(product.start_forward, product.start_backward))
     link = Link(
         lambda x: _start_allreduce(x, op, comm.forward, comm.size, out),
         lambda g: _start_allreduce(g, op, comm.backward, comm.size),
     )
     return Handle(tensor, link)
+
+
+class _NonBlockingProduct:
+    """iallreduce prod on the autograd path: the forward posts the product and the scans of the other ranks'
+    product ``E_r``; the backward posts the allreduce-sum of the cotangents and multiplies it by ``conj(E_r)``."""
+
+    __slots__ = ("comm", "others")
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.others: torch.Tensor | None = None
+
+    def start_forward(self, tensor: torch.Tensor) -> Pending:
+        scans = start_exclusive_product(tensor, self.comm)
+        product = _start_allreduce(tensor, "prod", self.comm.forward, self.comm.size)
+
+        def finish() -> torch.Tensor:
+            self.others = scans.finish()
+            return product.finish()
+
+        return Pending([*scans.requests, *product.requests], finish, keepalive=(scans, product))
+
+    def start_backward(self, grad: torch.Tensor) -> Pending:
+        total = _start_allreduce(grad, "sum", self.comm.backward, self.comm.size)
+        return Pending(total.requests, lambda: times_others(total.finish(), self.others), keepalive=(total,))
 
 
 def _broadcast_from(
@@ -219,15 +277,16 @@ class _Reduce(torch.autograd.Function):
     def forward(ctx, tensor: torch.Tensor, op: str, root: int, comm: Communicator) -> torch.Tensor:
         ctx.op, ctx.root, ctx.comm = op, root, comm
         ctx.shape, ctx.dtype, ctx.device = tensor.shape, tensor.dtype, tensor.device
+        others = start_exclusive_product(tensor, comm) if op == "prod" and ctx.needs_input_grad[0] else None
         wire_dtype = reduction_dtype(tensor.dtype, op, "reduce")
         send = on_wire(tensor, wire_dtype)
-        if comm.rank != root:
-            comm.forward.Reduce(mpi_buffer(send), None, op=mpi_op(wire_dtype, op), root=root)
+        result = empty_on_wire(tuple(send.shape), send.dtype, send.device) if comm.rank == root else None
+        receive = None if result is None else mpi_buffer(result)
+        comm.forward.Reduce(mpi_buffer(send), receive, op=mpi_op(wire_dtype, op), root=root)
+        ctx.others = None if others is None else others.wait()
+        if result is None:
             return tensor.new_empty(0)
-        result = empty_on_wire(tuple(send.shape), send.dtype, send.device)
-        comm.forward.Reduce(mpi_buffer(send), mpi_buffer(result), op=mpi_op(wire_dtype, op), root=root)
-        if op == "avg":
-            to_mean(result, comm.size)
+        _complete(result, op, comm.size)
         return off_wire(result, tensor.dtype, tensor.device)
 
     @staticmethod
@@ -237,23 +296,27 @@ class _Reduce(torch.autograd.Function):
         grad_in = _broadcast_from(at_root, ctx.shape, ctx.dtype, ctx.device, ctx.root, comm.backward)
         if ctx.op == "avg":
             grad_in = grad_in / comm.size
+        elif ctx.op == "prod":
+            grad_in = times_others(grad_in, ctx.others)
         return grad_in, None, None, None
 
 
 def _reduce_arguments(tensor: torch.Tensor, op: str, root: int, comm: Communicator) -> tuple[tuple, None]:
-    _check_reduction(tensor, op, "reduce", "supported; use 'sum' or 'avg' (or allreduce for max/min)")
+    _check_reduction(tensor, op, "reduce", "supported by reduce; use allreduce for max and min")
     check_rank(root, comm, "reduce")
     return signature(tensor, _OP_CODES[op], root, grad_flag(tensor)), None
 
 
+@eager_under_compile
 def reduce(
     tensor: torch.Tensor, root: int = 0, op: str = "sum", comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor | Placeholder:
-    """Reduce ``tensor`` (``op`` is ``"sum"`` or ``"avg"``) onto ``root``.
+    """Reduce ``tensor`` onto ``root`` with any op of :func:`allreduce` but max and min.
 
     The root gets the result; the other ranks get a :class:`Placeholder` naming the root, which they pass to
     backward (``placeholder.backward()`` or ``loss + placeholder``). Backward: a broadcast of the root's
-    cotangent to every rank (divided by P for avg).
+    cotangent to every rank (divided by P for avg, times the conjugate product of the other ranks' inputs for
+    prod).
     """
     comm = resolve(comm)
     checked(comm, "reduce", "dtype, shape, op, root, requires_grad", _reduce_arguments, tensor, op, root, comm)
@@ -273,8 +336,7 @@ def _reduce_scatter_front(
     result = empty_on_wire((sizes[rank], *send.shape[1:]), wire_dtype, front.device)
     counts = [s * row for s in sizes]
     channel.Reduce_scatter(mpi_buffer(send), mpi_buffer(result), counts, op=mpi_op(wire_dtype, op))
-    if op == "avg":
-        to_mean(result, size)
+    _complete(result, op, size)
     return off_wire(result, front.dtype, front.device)
 
 
@@ -300,23 +362,27 @@ class _ReduceScatter(torch.autograd.Function):
     def forward(ctx, tensor: torch.Tensor, sizes: list[int], dim: int, op: str, comm: Communicator):
         ctx.sizes, ctx.dim, ctx.op, ctx.comm = sizes, dim, op, comm
         front = to_front(tensor, dim)
+        others = start_exclusive_product(front, comm) if op == "prod" and ctx.needs_input_grad[0] else None
         result = _reduce_scatter_front(front, sizes, op, comm.forward, comm.rank, comm.size)
+        ctx.others = None if others is None else others.wait()
         return from_front(result, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         comm = ctx.comm
-        full = from_front(_allgather_front(to_front(grad, ctx.dim), ctx.sizes, comm.backward), ctx.dim)
+        full = _allgather_front(to_front(grad, ctx.dim), ctx.sizes, comm.backward)
         if ctx.op == "avg":
             full = full / comm.size
-        return full, None, None, None, None
+        elif ctx.op == "prod":
+            full = times_others(full, ctx.others)
+        return from_front(full, ctx.dim), None, None, None, None
 
 
 def _reduce_scatter_arguments(
     what: str, tensor: torch.Tensor, sizes: list[int] | None, dim: int, op: str, comm: Communicator, equal: bool
 ) -> tuple[tuple, tuple[list[int], int]]:
     """This rank's checks of a reduce-scatter: the signature all ranks must share, and (block sizes, dim)."""
-    _check_reduction(tensor, op, what, "supported; use 'sum' or 'avg'")
+    _check_reduction(tensor, op, what, f"supported by {what}; use allreduce for max and min")
     dim = check_dim(dim, tensor.dim(), what)
     length = tensor.shape[dim] if tensor.dim() else 1
     if equal and length % comm.size:
@@ -360,6 +426,7 @@ def _reduce_scatter(
     return _ReduceScatter.apply(tensor, sizes, dim, op, comm)
 
 
+@eager_under_compile
 def reduce_scatter_v(
     tensor: torch.Tensor,
     sizes: list[int] | None = None,
@@ -370,12 +437,14 @@ def reduce_scatter_v(
     """Reduce ``tensor`` over ranks and give rank r block r of the result along ``dim``.
 
     ``sizes[r]`` is the length of rank r's block (they must add up to ``tensor.shape[dim]``); by default the
-    dimension is split as evenly as possible, the first blocks one longer. ``op`` is ``"sum"`` or ``"avg"``.
-    Backward: an allgather of the cotangent blocks along ``dim`` (divided by P for avg).
+    dimension is split as evenly as possible, the first blocks one longer. ``op`` is any op of :func:`allreduce`
+    but max and min. Backward: an allgather of the cotangent blocks along ``dim`` (divided by P for avg, times the
+    conjugate product of the other ranks' inputs for prod).
     """
     return _reduce_scatter("reduce_scatter_v", tensor, sizes, dim, op, comm, equal=False)
 
 
+@eager_under_compile
 def reduce_scatter(
     tensor: torch.Tensor, dim: int = 0, op: str = "sum", comm: MPI.Comm | Communicator | None = None
 ) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives.reduction import _allreduce, _check_reduction
 from mpistrategy.comm.checks import checked, signature
 from mpistrategy.comm.communicator import Communicator, resolve
@@ -40,6 +41,7 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
+@eager_under_compile
 def copy_to_parallel(tensor: torch.Tensor, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
     """Identity forward; backward = allreduce-sum of the cotangents (the adjoint of replicating one value).
 
@@ -54,6 +56,7 @@ def _sum_arguments(tensor: torch.Tensor) -> tuple[tuple, None]:
     return signature(tensor), None
 
 
+@eager_under_compile
 def reduce_from_parallel(tensor: torch.Tensor, comm: MPI.Comm | Communicator | None = None) -> torch.Tensor:
     """Allreduce-sum forward; backward = identity (the value is one shared result whose loss counts once)."""
     comm = resolve(comm)

@@ -3,6 +3,11 @@
 Every collective goes through :func:`mpi_buffer`, which hands MPI the tensor's own memory (zero copy for
 contiguous host tensors). Reductions use :func:`reduction_dtype` to decide in which dtype the sum is taken:
 float16 and bfloat16 are reduced in float32 (never as integer bit patterns) and rounded once at the end.
+
+The reduction ops (:data:`REDUCE_OPS`): arithmetic ``sum``, ``avg`` and ``prod`` (numbers, not bool); ``max`` and
+``min`` (real numbers and bool, where they are logical or / and); logical ``land``, ``lor``, ``lxor`` and bitwise
+``band``, ``bor``, ``bxor`` (bool and integer tensors only: a logical op treats nonzero as true and gives 1 or 0 in
+the tensor's dtype, as ``MPI_LAND``; on bool the bitwise ops are the logical ones).
 """
 
 from __future__ import annotations
@@ -50,8 +55,26 @@ DTYPE_CODES: tuple[torch.dtype, ...] = (
 
 _CPU = torch.device("cpu")
 
-REDUCE_OPS: dict[str, MPI.Op] = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-_BOOL_OPS: dict[str, MPI.Op] = {"max": MPI.LOR, "min": MPI.LAND}
+LOGICAL_OPS: dict[str, MPI.Op] = {"land": MPI.LAND, "lor": MPI.LOR, "lxor": MPI.LXOR}
+BITWISE_OPS: dict[str, MPI.Op] = {"band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
+REDUCE_OPS: dict[str, MPI.Op] = {
+    "sum": MPI.SUM,
+    "avg": MPI.SUM,
+    "max": MPI.MAX,
+    "min": MPI.MIN,
+    "prod": MPI.PROD,
+    **LOGICAL_OPS,
+    **BITWISE_OPS,
+}
+# MPI defines only the logical ops on its bool type: max/min and the bitwise ops of bools are logical or/and/xor.
+_BOOL_OPS: dict[str, MPI.Op] = {
+    "max": MPI.LOR,
+    "min": MPI.LAND,
+    **LOGICAL_OPS,
+    "band": MPI.LAND,
+    "bor": MPI.LOR,
+    "bxor": MPI.LXOR,
+}
 
 
 @functools.cache
@@ -110,10 +133,20 @@ def _check_reduction_dtype(dtype: torch.dtype, op: str, what: str) -> torch.dtyp
     if op not in REDUCE_OPS:
         raise ValueError(f"{what}: unknown reduction op {op!r}; choose one of {sorted(REDUCE_OPS)}.")
     check_dtype(dtype, what)
+    if op in LOGICAL_OPS and (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(
+            f"{what}: op={op!r} is a logical op, defined for bool and integer tensors, got {dtype}; pass a bool "
+            "tensor (for example tensor != 0)."
+        )
+    if op in BITWISE_OPS and (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(
+            f"{what}: op={op!r} is a bitwise op, defined for bool and integer tensors, got {dtype}; cast the tensor "
+            "to an integer dtype first (or reinterpret its bits with tensor.view(torch.int32) for float32)."
+        )
     if dtype == torch.bool and op not in _BOOL_OPS:
         raise TypeError(
-            f"{what}: op={op!r} is not defined for torch.bool; use op='max' (logical or), op='min' (logical and) "
-            "or cast the tensor to an integer dtype first."
+            f"{what}: op={op!r} is not defined for torch.bool; use op='lor' (logical or), 'land' (logical and) or "
+            "'lxor', or cast the tensor to an integer dtype first."
         )
     if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
         raise TypeError(

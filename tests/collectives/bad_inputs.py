@@ -66,8 +66,8 @@ def meta(bad: bool) -> torch.Tensor:
     return torch.ones(2 * size(), device="meta" if bad else "cpu")
 
 
-def typed(dtype: torch.dtype) -> Callable[[bool], torch.Tensor]:
-    return lambda bad: torch.ones(2 * size(), dtype=dtype if bad else torch.float32)
+def typed(dtype: torch.dtype, good: torch.dtype = torch.float32) -> Callable[[bool], torch.Tensor]:
+    return lambda bad: torch.ones(2 * size(), dtype=dtype if bad else good)
 
 
 def ring(tensor: object) -> torch.Tensor:
@@ -91,8 +91,15 @@ CASES: dict[str, Case] = {
     "allreduce-int-avg": Case("allreduce", lambda bad: ms.allreduce(typed(torch.int64)(bad), "avg"), TypeError),
     "allreduce-uint16": Case("allreduce", lambda bad: ms.allreduce(typed(torch.uint16)(bad)), TypeError),
     "allreduce-unknown-op": Case(
-        "allreduce", lambda bad: ms.allreduce(ones(False), "prod" if bad else "sum"), ValueError
+        "allreduce", lambda bad: ms.allreduce(ones(False), "mul" if bad else "sum"), ValueError
     ),
+    "allreduce-bitwise-float": Case(
+        "allreduce", lambda bad: ms.allreduce(typed(torch.float32, torch.int32)(bad), "bxor"), TypeError
+    ),
+    "allreduce-logical-float": Case(
+        "allreduce", lambda bad: ms.allreduce(typed(torch.float64, torch.bool)(bad), "land"), TypeError
+    ),
+    "allreduce-prod-bool": Case("allreduce", lambda bad: ms.allreduce(typed(torch.bool)(bad), "prod"), TypeError),
     "allreduce-meta": Case("allreduce", lambda bad: ms.allreduce(meta(bad)), ValueError),
     "allreduce-out-shape": Case(
         "allreduce", lambda bad: ms.allreduce(ones(False), out=torch.empty(2 * size() + bad)), ValueError
@@ -100,11 +107,24 @@ CASES: dict[str, Case] = {
     "iallreduce-none": Case("iallreduce", lambda bad: ms.iallreduce(ones(bad)).wait(), TypeError),
     "iallreduce-bool-sum": Case("iallreduce", lambda bad: ms.iallreduce(typed(torch.bool)(bad)).wait(), TypeError),
     "iallreduce-meta": Case("iallreduce", lambda bad: ms.iallreduce(meta(bad)).wait(), ValueError),
+    "iallreduce-max": Case(
+        "iallreduce", lambda bad: ms.iallreduce(ones(False), "max" if bad else "prod").wait(), ValueError
+    ),
+    "iallreduce-bitwise-float": Case(
+        "iallreduce", lambda bad: ms.iallreduce(typed(torch.float16, torch.uint8)(bad), "bor").wait(), TypeError
+    ),
     "reduce-none": Case("reduce", lambda bad: ms.reduce(ones(bad), root=0), TypeError),
+    "reduce-logical-complex": Case(
+        "reduce", lambda bad: ms.reduce(typed(torch.complex64, torch.int64)(bad), op="lor"), TypeError
+    ),
+    "reduce-prod-bool": Case("reduce", lambda bad: ms.reduce(typed(torch.bool)(bad), op="prod"), TypeError),
     "reduce-root-out-of-range": Case(
         "reduce", lambda bad: ms.reduce(ones(False), root=size() if bad else 0), ValueError
     ),
     "reduce_scatter-none": Case("reduce_scatter", lambda bad: ms.reduce_scatter(ones(bad)), TypeError),
+    "reduce_scatter-bitwise-float": Case(
+        "reduce_scatter", lambda bad: ms.reduce_scatter(typed(torch.float32, torch.int8)(bad), op="band"), TypeError
+    ),
     "reduce_scatter-indivisible": Case(
         "reduce_scatter", lambda bad: ms.reduce_scatter(torch.ones(2 * size() + bad)), ValueError
     ),

@@ -41,6 +41,7 @@ def _no_leftovers():
     yield
     p2p.wait_backward_sends()
     assert not p2p._arriving, "a receive is still queued"
+    assert not p2p._self_sent, "a message to the own rank is counted as not received"
     assert not p2p._detached_sends
     COMM.Barrier()
 
@@ -274,6 +275,46 @@ def test_self_messages():
     assert torch.equal(y, x) and torch.equal(z, x * 2)
     ((y * 3).sum() + (z * 5).sum() + placeholder).backward()
     assert torch.equal(x.grad, torch.full((4,), 13.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", SIZES.values(), ids=SIZES.keys())
+def test_blocking_send_and_recv_with_oneself_once_the_other_side_is_posted(shape):
+    """As in MPI: a blocking send to oneself completes when an irecv is posted, a blocking recv from oneself when
+    an isend is on its way; gradients flow back through both (rendezvous-size messages included)."""
+    x = random_like_rank(shape, seed=11).requires_grad_()
+    weights = random_like_rank(shape, seed=12)
+    receiving = ms.irecv(rank(), tag=2)
+    sent = ms.send(x * 3, rank(), tag=2)
+    z = receiving.wait()
+    sending = ms.isend(x * 5, rank(), tag=3)
+    y = ms.recv(rank(), tag=3)
+    assert torch.equal(z, x * 3) and torch.equal(y, x * 5)
+    ((z * weights).sum() + (y * weights).sum() + sent + sending.wait()).backward()
+    torch.testing.assert_close(x.grad, 8 * weights, rtol=1e-15, atol=0)
+
+
+def test_blocking_self_messages_that_would_wait_forever_are_refused():
+    """Messages to oneself match receives in order: only a receive (or message) no earlier one takes counts."""
+    x = torch.arange(3.0)
+    never = r"is this rank itself, and no .* so a blocking (send|recv) would wait forever"
+    with pytest.raises(ValueError, match=never):
+        ms.send(x, rank(), tag=4)  # no irecv posted
+    with pytest.raises(ValueError, match=never):
+        ms.recv(rank(), tag=4)  # no message on its way
+    first, second = ms.isend(x, rank(), tag=4), ms.isend(x + 1, rank(), tag=4)
+    earlier = ms.irecv(rank(), tag=4)  # takes the first message
+    assert torch.equal(ms.recv(rank(), tag=4), x + 1)  # the second
+    with pytest.raises(ValueError, match=never):
+        ms.recv(rank(), tag=4)  # both are taken
+    receiving = ms.irecv(rank(), tag=5)
+    later = ms.isend(x + 2, rank(), tag=5)  # takes the posted irecv
+    with pytest.raises(ValueError, match=never):
+        ms.send(x, rank(), tag=5)
+    with pytest.raises(ValueError, match="dst=.* tag=6"):
+        ms.send(x, rank(), tag=6)  # an irecv with another tag does not count
+    assert torch.equal(earlier.wait(), x) and torch.equal(receiving.wait(), x + 2)
+    for handle in (first, second, later):
+        handle.wait()
 
 
 def test_no_gradient_messages_without_grad():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 
 import pytest
@@ -12,7 +14,7 @@ from torch.profiler import ProfilerActivity
 import mpistrategy as ms
 from mpistrategy import CommunicationError, Placeholder
 from mpistrategy.comm.checks import agree
-from tests.adjoint import assert_adjoint, gather_reference, random_like_rank, rank, size, strided
+from tests.adjoint import assert_adjoint, gather_reference, random_like_rank, rank, rank_generator, size, strided
 
 pytestmark = pytest.mark.mpi
 
@@ -90,6 +92,8 @@ def test_half_precision_sums_are_exact(dtype: torch.dtype) -> None:
     assert out.dtype == dtype and torch.equal(out, torch.full((3,), total, dtype=dtype))
     assert torch.equal(ms.allreduce(x, "avg"), torch.full((3,), total / size(), dtype=torch.float64).to(dtype))
     assert torch.equal(ms.allreduce(x, "max"), torch.full((3,), 2.25 if size() > 1 else 1.5, dtype=dtype))
+    product = math.prod(1.5 if r % 2 == 0 else 2.25 for r in range(size()))  # 729/64 at 4 ranks: 10 bits
+    assert torch.equal(ms.allreduce(x, "prod"), torch.full((3,), product, dtype=torch.float64).to(dtype))
 
 
 def test_bool_max_min_are_logical_or_and() -> None:
@@ -112,10 +116,18 @@ def test_dtype_and_op_errors_raise_on_every_rank() -> None:
         ms.allreduce(torch.ones(2, dtype=torch.bool), "sum")
     with pytest.raises(TypeError, match="complex"):
         ms.allreduce(torch.ones(2, dtype=torch.complex64), "max")
-    with pytest.raises(ValueError, match="unknown reduction op"):
-        ms.allreduce(torch.ones(2), "prod")
+    with pytest.raises(ValueError, match="unknown reduction op 'mul'; choose one of .*'prod'"):
+        ms.allreduce(torch.ones(2), "mul")
     with pytest.raises(TypeError, match="avg"):
         ms.reduce(torch.ones(2, dtype=torch.int32), op="avg")
+    with pytest.raises(TypeError, match="op='band' is a bitwise op.*got torch.float32; cast the tensor to an integer"):
+        ms.allreduce(torch.ones(2), "band")
+    with pytest.raises(TypeError, match=r"op='lor' is a logical op.*got torch.float64; pass a bool tensor"):
+        ms.reduce_scatter(torch.ones(size(), dtype=torch.float64), op="lor")
+    with pytest.raises(TypeError, match="op='prod' is not defined for torch.bool; use op='lor'.*'land'"):
+        ms.iallreduce(torch.ones(2, dtype=torch.bool), "prod")
+    with pytest.raises(TypeError, match="op='bxor' is a bitwise op.*complex64"):
+        ms.reduce(torch.ones(2, dtype=torch.complex64), op="bxor")
 
 
 def test_mismatched_shapes_raise_communication_error_on_every_rank() -> None:
@@ -226,7 +238,7 @@ def test_reduce_to_a_non_zero_root(op: str) -> None:
 def test_reduce_root_out_of_range_raises_on_every_rank() -> None:
     with pytest.raises(ValueError, match="root"):
         ms.reduce(torch.ones(2), root=size())
-    with pytest.raises(ValueError, match="sum"):
+    with pytest.raises(ValueError, match="op='max' is not supported by reduce; use allreduce for max and min"):
         ms.reduce(torch.ones(2), op="max")
 
 
@@ -267,3 +279,120 @@ def test_reduce_scatter_errors_raise_on_every_rank() -> None:
             ms.reduce_scatter(torch.ones(size() + 1))
     with pytest.raises(ValueError, match="sizes"):
         ms.reduce_scatter_v(torch.ones(3), [1] * (size() + 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prod, logical and bitwise ops on every reduction
+
+VARIANTS = ["allreduce", "iallreduce", "reduce", "reduce_scatter"]
+
+
+def reduced(variant: str, tensor: torch.Tensor, op: str) -> torch.Tensor | Placeholder:
+    """``tensor`` reduced with ``op`` by ``variant`` (reduce: to the last rank; reduce_scatter: along dim 0)."""
+    if variant == "allreduce":
+        return ms.allreduce(tensor, op)
+    if variant == "iallreduce":
+        return ms.iallreduce(tensor, op).wait()
+    if variant == "reduce":
+        return ms.reduce(tensor, root=size() - 1, op=op)
+    return ms.reduce_scatter(tensor, op=op)
+
+
+def mine(variant: str, total: torch.Tensor) -> torch.Tensor | None:
+    """What ``variant`` gives this rank of the reduction ``total`` over ranks (``None``: a Placeholder)."""
+    if variant == "reduce":
+        return total if rank() == size() - 1 else None
+    return total.chunk(size())[rank()] if variant == "reduce_scatter" else total
+
+
+def placed(variant: str, cotangent: torch.Tensor | None, total: torch.Tensor) -> torch.Tensor:
+    """This rank's cotangent placed where its output sits in ``total`` (zero elsewhere)."""
+    full = torch.zeros_like(total)
+    if cotangent is not None:
+        mine(variant, full).copy_(cotangent)
+    return full
+
+
+def with_zeros(seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Random per-rank (2P, 3) values with zeros: [0, 0] on rank 0 only, [0, 1] on the first and the last rank,
+    [0, 2] on every rank."""
+    x = torch.randn((2 * size(), 3), dtype=dtype, generator=rank_generator(seed))
+    x[0, 0] *= rank() != 0
+    x[0, 1] *= rank() not in (0, size() - 1)
+    x[0, 2] = 0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prod_with_zeros_matches_torch(variant: str, dtype: torch.dtype) -> None:
+    """Value and gradient against torch.prod over every rank's input in one process (its backward handles zeros),
+    with a random cotangent per rank; complex inputs follow torch's conjugate convention."""
+    x = with_zeros(seed=20, dtype=dtype).requires_grad_(True)
+    out = reduced(variant, x, "prod")
+    inputs = stacked(x.detach()).requires_grad_(True)
+    total = inputs.prod(0)
+    expected = mine(variant, total.detach())
+    cotangent = None
+    if expected is None:
+        assert isinstance(out, Placeholder)
+        out.backward()
+    else:
+        assert_close(out.detach(), expected)
+        cotangent = torch.randn(out.shape, dtype=dtype, generator=rank_generator(21))
+        out.backward(cotangent)
+    total.backward(torch.stack(gather_reference(placed(variant, cotangent, total))).sum(0))
+    assert_close(x.grad, inputs.grad[rank()])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prod_adjoint(variant: str) -> None:
+    """The dot-product test for the linearisation J of the product at x (zeros included). The product is linear in
+    each rank's input, so J v = sum_r (the product with rank r's input replaced by v_r): P forward calls. Then
+    sum_ranks <J v, y> must equal sum_ranks <v, J^T y>, J^T y being what backward computes."""
+    x, v = with_zeros(seed=22), random_like_rank((2 * size(), 3), seed=23)
+    with torch.no_grad():
+        parts = [reduced(variant, v if rank() == r else x, "prod") for r in range(size())]
+    x.requires_grad_(True)
+    out = reduced(variant, x, "prod")
+    lhs = 0.0
+    if isinstance(out, Placeholder):
+        out.backward()
+    else:
+        y = random_like_rank(tuple(out.shape), seed=24)
+        lhs = float((sum(parts) * y).sum())
+        out.backward(y)
+    lhs, rhs = COMM.allreduce(lhs), COMM.allreduce(float((v * x.grad).sum()))
+    assert math.isclose(lhs, rhs, rel_tol=1e-10, abs_tol=1e-12), (lhs, rhs)
+
+
+LOGICAL_AND_BITWISE = {
+    "land": torch.logical_and,
+    "lor": torch.logical_or,
+    "lxor": torch.logical_xor,
+    "band": torch.bitwise_and,
+    "bor": torch.bitwise_or,
+    "bxor": torch.bitwise_xor,
+}
+
+
+@pytest.mark.parametrize("op", list(LOGICAL_AND_BITWISE))
+def test_logical_and_bitwise_ops_match_torch(op: str) -> None:
+    """Every variant and integer or bool dtype against torch's op folded over every rank's input in one process. A
+    logical op of integers gives 1 or 0 in their dtype (at one rank too). No gradient path: these dtypes cannot
+    require grad."""
+    for dtype in (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64):
+        low = 0 if dtype == torch.bool else -3
+        x = torch.randint(low, 4, (2 * size(), 3), generator=rank_generator(25)).to(dtype)
+        inputs = stacked(x)
+        operands = (inputs != 0) if op.startswith("l") else inputs
+        total = functools.reduce(LOGICAL_AND_BITWISE[op], operands.unbind(0)).to(dtype)
+        for variant in VARIANTS:
+            out = reduced(variant, x, op)
+            expected = mine(variant, total)
+            if expected is None:
+                assert isinstance(out, Placeholder) and not out.requires_grad
+            else:
+                assert out.dtype == dtype and not out.requires_grad and torch.equal(out, expected), (variant, dtype)
+    in_place = x.clone()
+    assert ms.iallreduce(in_place, op, out=in_place).wait() is in_place and torch.equal(in_place, total)
