@@ -18,7 +18,6 @@ Trainer:
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import warnings
@@ -38,8 +37,6 @@ from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.environment import MPIEnvironment
 from mpistrategy.sync import SyncMode, build_sync
 from mpistrategy.sync.transport import NODE_TRANSPORTS
-
-log = logging.getLogger(__name__)
 
 DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

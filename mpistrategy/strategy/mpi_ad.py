@@ -37,7 +37,6 @@ import signal
 from collections.abc import Generator
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
@@ -56,7 +55,8 @@ CHECKPOINT_KEY = checkpoints.KEY
 class MPIADStrategyMixin(MPIStrategyBase):
     """The Trainer strategy's implementation, shared by the ``lightning.pytorch`` and ``pytorch_lightning`` classes.
 
-    Takes the options of :class:`~mpistrategy.strategy.base.MPIStrategyBase` (``aggregator``, ``sync``,
+    Takes the arguments of :class:`~mpistrategy.strategy.base.MPIStrategyBase` (Lightning's five, the last one
+    called ``precision_plugin`` here as in the Trainer's strategies; ``aggregator``, ``sync``,
     ``ranks_per_node``, ``node_transport``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``own_bucket_mb``,
     ``data_parallel``, ``abort_on_exception``, ``stop_signals``, ``set_num_threads``) and:
 
@@ -73,17 +73,16 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def __init__(
         self,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
+        *args: Any,
         precision_plugin: Any = None,
-        *,
         log_traffic: bool = True,
         checkpoint_on_stop: bool = True,
         **options: Any,
     ) -> None:
-        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, **options)
+        # args: accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin (Lightning's order)
+        if precision_plugin is not None:
+            options["precision"] = precision_plugin
+        super().__init__(*args, **options)
         self.log_traffic = log_traffic
         self.checkpoint_on_stop = checkpoint_on_stop
         self._checked_step = -1

@@ -1,4 +1,4 @@
-"""Fabric with the mpi_ad strategy, tiny models and single-process references shared by the Fabric tests."""
+"""Fabric with the mpi_ad strategy for the Fabric tests (models, data and references come from the strategy tests)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,24 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mpistrategy  # noqa: F401  (registers "mpi_ad" with Fabric)
-from tests.strategy.helpers import COMM, RANK, SIZE, flat_parameters, mlp, regression_data, shared_tmpdir
+from tests.strategy.helpers import (
+    COMM,
+    RANK,
+    SIZE,
+    CountingMean,
+    flat_parameters,
+    mlp,
+    reference_training,
+    regression_data,
+    shared_tmpdir,
+)
 
 __all__ = [
     "COMM",
     "RANK",
     "SIZE",
     "OPTIMIZERS",
+    "CountingMean",
     "flat_parameters",
     "launched",
     "mlp",
@@ -47,21 +58,3 @@ def rank_batches(fabric: Fabric, data: TensorDataset, per_rank: int) -> DataLoad
     """``data`` through Fabric's distributed sampler, unshuffled: the j-th batches of all ranks together are the
     j-th block of ``world_size * per_rank`` samples."""
     return fabric.setup_dataloaders(DataLoader(data, batch_size=per_rank, shuffle=False))
-
-
-def reference_training(
-    net: nn.Module, data: TensorDataset, block: int, steps: int, make_optimizer: Optimizers, accumulate: int = 1
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """One process: ``steps`` optimizer steps, each over ``accumulate`` consecutive blocks of ``block`` samples
-    (mean squared error, divided by ``accumulate``); returns the model and its optimizer."""
-    optimizer = make_optimizer(net.parameters())
-    x, y = data.tensors
-    position = 0
-    for _ in range(steps):
-        optimizer.zero_grad()
-        for _ in range(accumulate):
-            xb, yb = x[position : position + block], y[position : position + block]
-            position += block
-            (nn.functional.mse_loss(net(xb), yb) / accumulate).backward()
-        optimizer.step()
-    return net, optimizer

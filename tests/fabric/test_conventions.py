@@ -4,37 +4,25 @@ hint for epoch-level logging appears. The multi-rank checks read one ``mpiexec -
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mpistrategy.comm.topology import topology
-from mpistrategy.launch import mpiexec_command
 from mpistrategy.strategy.conventions import launch_mismatch
-from tests.mpi_harness import clean_environ
+from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "conventions.py"
 RANKS = 2
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("MPISTRATEGY_TEST_NRANKS") is not None or "PMI_RANK" in os.environ,
-    reason="launches its own mpiexec; run from the plain (outer) pytest",
-)
+pytestmark = OUTER_RUN_ONLY
 
 
 @pytest.fixture(scope="module")
 def output() -> str:
-    env = clean_environ()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
-    env["PYTHONWARNINGS"] = "default"
-    command = [*mpiexec_command(), "-n", str(RANKS), sys.executable, str(SCRIPT)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    text = result.stdout + result.stderr
-    assert result.returncode == 0, text[-4000:]
+    code, text, _ = run_mpi_job(SCRIPT, RANKS, timeout=300, PYTHONWARNINGS="default")
+    assert code == 0, text[-4000:]
     return text
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from mpistrategy.aggregation import AggregationContext, GradBucket, MeanAggregator, Work
 from mpistrategy.strategy import MPIADFabricStrategy
 from mpistrategy.sync import LocalSGD
 from tests.fabric.helpers import (
@@ -15,6 +14,7 @@ from tests.fabric.helpers import (
     OPTIMIZERS,
     RANK,
     SIZE,
+    CountingMean,
     flat_parameters,
     launched,
     mlp,
@@ -26,20 +26,6 @@ from tests.fabric.helpers import (
 PER_RANK = 4
 STEPS = 3
 TOLERANCE = dict(rtol=1e-10, atol=1e-10)
-
-
-class CountingMean(MeanAggregator):
-    """The default mean, counting the bucket combinations it started."""
-
-    combined = 0
-
-    def setup(self, context: AggregationContext) -> None:
-        super().setup(context)
-        self.buckets = len(context.buckets)
-
-    def start(self, bucket: GradBucket) -> Work:
-        self.combined += 1
-        return super().start(bucket)
 
 
 def _same_on_every_rank(tensor: torch.Tensor) -> None:
@@ -67,9 +53,9 @@ def test_matches_single_process_whole_batch(optimizer: str, accumulate: int) -> 
     # one combination per bucket and optimizer step: the micro-batches inside no_backward_sync did not communicate
     assert counting.combined == STEPS * counting.buckets
 
-    reference, ref_opt = reference_training(
-        mlp(seed=1), data, SIZE * PER_RANK, STEPS, OPTIMIZERS[optimizer], accumulate=accumulate
-    )
+    reference = mlp(seed=1)
+    ref_opt = OPTIMIZERS[optimizer](reference.parameters())
+    reference_training(reference, data, SIZE * PER_RANK, STEPS, ref_opt, accumulate=accumulate)
     got, want = flat_parameters(model), flat_parameters(reference)
     assert not torch.equal(want, flat_parameters(mlp(seed=1))), "the reference did not train"
     torch.testing.assert_close(got, want, **TOLERANCE)

@@ -32,14 +32,22 @@ def mark(what: str) -> None:
     print(f"{what} rank={rank} time={time.time():.3f}", flush=True)
 
 
+def fail(step: int) -> None:
+    mark("FAILING")
+    raise RuntimeError(f"boom from rank {rank} at step {step}")
+
+
+def signal_self(step: int) -> None:
+    mark("SIGNALLING")
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
+MISBEHAVE = {"raise": fail, "usr1": signal_self}[MODE]
+
+
 def train_one_step(step: int) -> None:
-    if rank == 1 and step == TRIGGER_STEP:
-        if MODE == "raise":
-            mark("FAILING")
-            raise RuntimeError(f"boom from rank {rank} at step {step}")
-        if MODE == "usr1":
-            mark("SIGNALLING")
-            os.kill(os.getpid(), signal.SIGUSR1)
+    if (rank, step) == (1, TRIGGER_STEP):
+        MISBEHAVE(step)
     x = torch.randn(8, 4)
     fabric.backward(model(x).pow(2).mean())
     optimizer.step()
