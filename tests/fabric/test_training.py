@@ -75,6 +75,14 @@ def test_setup_broadcasts_rank_zero_parameters_and_buffers() -> None:
         assert torch.equal(value, rank_zero[name]), name
 
 
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_a_model_that_differs_on_one_rank_raises_on_every_rank() -> None:
+    fabric = launched()
+    with pytest.raises(ValueError, match=rf"rank {SIZE - 1} has '0.weight' of shape \[9, 6\] \(float64\) where rank 0"):
+        fabric.setup(mlp(hidden=9 if RANK == SIZE - 1 else 8))
+    COMM.Barrier()  # every rank raised: none is left in a collective
+
+
 class Generator(nn.Module):
     """A generator whose extra head is used only on rank 0 (a parameter some ranks leave unused)."""
 
@@ -100,14 +108,16 @@ def _losses(generator: nn.Module, critic: nn.Module, z: torch.Tensor, rank: int)
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
 def test_two_models_in_one_backward_match_single_process() -> None:
-    """Two models set up separately, one backward pass through both, a parameter used on rank 0 only: each model's
-    gradients are the average over the ranks (zero from the ranks that did not use it), on its own channels."""
+    """Two models set up separately (one with ``setup``, one with ``setup_module`` then ``setup_optimizers``), one
+    backward pass through both, a parameter used on rank 0 only: each model's gradients are the average over the
+    ranks (zero from the ranks that did not use it), on its own channels."""
     fabric = launched()
     generator, critic = Generator(), _critic()
     g_opt = torch.optim.SGD(generator.parameters(), lr=0.1, momentum=0.9)
     c_opt = torch.optim.AdamW(critic.parameters(), lr=0.05)
     generator, g_opt = fabric.setup(generator, g_opt)
-    critic, c_opt = fabric.setup(critic, c_opt)
+    critic = fabric.setup_module(critic)  # the other way: the model first, then its optimizer
+    c_opt = fabric.setup_optimizers(c_opt)
     assert len(fabric.strategy.engines) == 2
     inputs = torch.randn(STEPS, SIZE, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for step in range(STEPS):
