@@ -115,8 +115,8 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         return module, optimizers, scheduler
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """An optimizer set up after its model (``fabric.setup_optimizers``): the engine of the model whose
-        parameters it steps takes it (its ``zero_grad`` then zeroes the gradient buckets in place)."""
+        """An optimizer set up after its model (``fabric.setup_optimizers``) joins the engine of the model whose
+        parameters it steps (its steps then drive that model's sync mode)."""
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for module, engine in self._engines:
             if optimizer not in engine.optimizers and any(id(p) in params for p in module.parameters()):
