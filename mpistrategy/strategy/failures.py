@@ -47,7 +47,6 @@ _OUTPUT_GRACE_SECONDS = 0.5
 STOPPED_EXIT_CODE = 75
 
 
-
 class StopRequested(SystemExit):
     """Raised by the Fabric strategy on every rank after the same optimizer step, once the ranks decided together
     to stop on ``signal_name`` (the Trainer raises Lightning's ``SIGTERMException`` instead). Its exit code is
