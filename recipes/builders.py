@@ -85,7 +85,7 @@ def mpi_ad_strategy(
         valid = ", ".join(SYNC_MODES)
         raise SyncConfigurationError(f"strategy.sync={sync!r} is not a sync mode; valid modes: {valid}.")
     given = {key: _plain(value) for key, value in options.items()}
-    accepted = _parameters(cls.__init__, exclude=("aggregator", "sync", "stop_signals"))
+    accepted = _constructor_parameters(cls, exclude=("aggregator", "sync", "stop_signals"))
     mode_accepts = _parameters(SYNC_MODES[sync].__init__)
     if sync == "gossip":
         mode_accepts.add("neighbours")
@@ -112,6 +112,20 @@ def _parameters(function: Any, exclude: tuple[str, ...] = ()) -> set[str]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     parameters = inspect.signature(function).parameters.values()
     return {p.name for p in parameters if p.kind in kinds and p.name != "self" and p.name not in exclude}
+
+
+def _constructor_parameters(cls: type, exclude: tuple[str, ...] = ()) -> set[str]:
+    """The keyword parameters ``cls(...)`` takes: its ``__init__``'s and, for as long as an ``__init__`` passes
+    ``**options`` on, those of the next ``__init__`` up its bases."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        names |= _parameters(init, exclude)
+        if all(p.kind != inspect.Parameter.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
+            break
+    return names
 
 
 def _plain(value: Any) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpi4py import MPI
 
@@ -93,6 +93,19 @@ class Topology:
     def even_nodes(self) -> bool:
         """Whether every node has the same number of processes."""
         return len(set(self.node_sizes)) == 1
+
+    def with_own_gradient_channels(self) -> Topology:
+        """This topology with new duplicates of its gradient communicators (collective over every rank): gradient
+        traffic on the copy is never matched with traffic on this one, whatever order the two are posted in (a
+        second model's gradient buckets, started in the same backward pass as the first model's)."""
+        leader = self.leader_gradients
+        return replace(
+            self,
+            gradients=Communicator(self.gradients.comm.Dup()),
+            node_gradients=Communicator(self.node_gradients.comm.Dup()),
+            leader_gradients=Communicator(leader.comm.Dup()) if leader is not None else None,
+            cross_gradients=Communicator(self.cross_gradients.comm.Dup()),
+        )
 
 
 _topologies: dict[int | None, Topology] = {}

@@ -1,4 +1,5 @@
-"""The Lightning side: the ``mpi_ad`` strategy, its MPI cluster environment, gradient buckets, failure handling.
+"""The Lightning side: the ``mpi_ad`` strategy (Trainer and Fabric), its MPI cluster environment, gradient buckets,
+failure handling.
 
 Importing this package does not import Lightning; the classes are loaded on first access
 (``from mpistrategy.strategy import MPIADStrategy``).
@@ -11,7 +12,9 @@ from typing import Any
 
 _LAZY = {
     "CorruptCheckpointError": "mpistrategy.strategy.checkpoint_files",
+    "MPIADFabricStrategy": "mpistrategy.strategy.fabric_mpi_ad",
     "MPIADStrategy": "mpistrategy.strategy.mpi_ad",
+    "StopRequested": "mpistrategy.strategy.failures",
     "MPIEnvironment": "mpistrategy.strategy.environment",
     "GradientReducer": "mpistrategy.strategy.reducer",
     "LaunchMismatchError": "mpistrategy.comm.topology",

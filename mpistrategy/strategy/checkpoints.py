@@ -7,6 +7,7 @@ random state (:mod:`~mpistrategy.strategy.random_state`), gathered to rank 0, a 
 
 Writing: rank 0, atomically and sealed with a SHA-256 (:mod:`~mpistrategy.strategy.checkpoint_files`) for local
 paths; a remote path (an fsspec URL) or an asynchronous checkpoint IO gets the checkpoint as it is.
+:func:`write_on_rank_zero` (Fabric's ``save``) also tells every rank whether the write succeeded.
 
 Reading: every rank verifies and loads the file it sees, and the ranks agree on the outcome (one allgather): a
 corrupt or unreadable file, or a load that fails on some rank only, raises on every rank (marked so, so that the
@@ -53,6 +54,29 @@ def write(checkpoint: Checkpoint, filepath: Any, save: Callable[[Checkpoint, Any
         save(checkpoint, filepath)
         return
     checkpoint_files.write_atomically(path.removeprefix("file://"), lambda temporary: save(checkpoint, temporary))
+
+
+def write_on_rank_zero(
+    checkpoint: Checkpoint, filepath: Any, save: Callable[[Checkpoint, Any], None], comm: MPI.Intracomm
+) -> None:
+    """Collective: rank 0 writes ``checkpoint`` as :func:`write` does, and every rank learns the outcome: a failed
+    write raises on every rank (the writer's own exception on rank 0, a ``RuntimeError`` naming it elsewhere)."""
+    error: Exception | None = None
+    if comm.Get_rank() == 0:
+        try:
+            write(checkpoint, filepath, save, asynchronous=False)
+        except Exception as problem:  # noqa: BLE001 - every rank must learn of it before anyone raises
+            error = problem
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    if comm.Get_size() > 1:
+        failure = comm.bcast(failure, root=0)
+    if failure is None:
+        return
+    if error is not None:
+        raise failures.mark_raised_on_every_rank(error)
+    raise failures.mark_raised_on_every_rank(
+        RuntimeError(f"rank 0 could not write the checkpoint {filepath}: {failure}")
+    )
 
 
 def read(checkpoint_path: Any, load: Callable[[Any], Checkpoint], comm: MPI.Intracomm) -> Checkpoint:

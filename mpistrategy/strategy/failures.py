@@ -46,6 +46,18 @@ _OUTPUT_GRACE_SECONDS = 0.5
 #: The exit code of a process stopped by a coordinated stop (after its checkpoint): EX_TEMPFAIL, "try again later".
 STOPPED_EXIT_CODE = 75
 
+
+class StopRequested(SystemExit):
+    """Raised by the Fabric strategy on every rank after the same optimizer step, once the ranks decided together
+    to stop on ``signal_name`` (the Trainer raises Lightning's ``SIGTERMException`` instead). Its exit code is
+    :data:`STOPPED_EXIT_CODE`: a script that lets it propagate exits 75; one that catches it can save a checkpoint
+    first (every rank is there, after a complete step)."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(STOPPED_EXIT_CODE)
+        self.signal_name = signal_name
+
+
 _excepthook_installed = False
 _os_exit_reported = False
 _abort_lock = threading.Lock()

@@ -2,7 +2,9 @@
 
 ``Trainer(strategy="mpi_ad")`` (or ``strategy=MPIADStrategy(...)``) under ``mpiexec -n N python train.py``,
 ``srun --mpi=pmi2 python train.py`` or a plain ``python train.py``: no MASTER_ADDR, ports or torch.distributed.
-This class only overrides Lightning's hooks and delegates:
+This class only overrides the Trainer's hooks and delegates; what it shares with the Fabric strategy (options,
+ranks, devices, collectives, engine construction, failure handling) is :class:`~mpistrategy.strategy.base.
+MPIStrategyBase`:
 
 - ranks and nodes: :class:`~mpistrategy.strategy.environment.MPIEnvironment` (from MPI, also under srun);
 - gradients and model averaging: :class:`~mpistrategy.strategy.engine.DataParallelEngine`, the Trainer-independent
@@ -31,200 +33,71 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
 import signal
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
-from mpistrategy.aggregation.base import Aggregator
-from mpistrategy.aggregation.mean import MeanAggregator
-from mpistrategy.comm.communicator import world
-from mpistrategy.comm.topology import Topology
-from mpistrategy.comm.traffic import TrafficCounter
-from mpistrategy.strategy import checkpoints, failures, random_state, sync
+from mpistrategy.strategy import checkpoints, failures, random_state
+from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
-from mpistrategy.strategy.environment import MPIEnvironment
 from mpistrategy.strategy.framework import LIGHTNING, framework
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.resumable import make_resumable
-from mpistrategy.sync import SyncMode, build_sync
-from mpistrategy.sync.transport import NODE_TRANSPORTS
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = checkpoints.KEY
-_DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class MPIADStrategyMixin:
-    """The strategy's implementation, shared by the ``lightning.pytorch`` and ``pytorch_lightning`` classes.
+class MPIADStrategyMixin(MPIStrategyBase):
+    """The Trainer strategy's implementation, shared by the ``lightning.pytorch`` and ``pytorch_lightning`` classes.
+
+    Takes the arguments of :class:`~mpistrategy.strategy.base.MPIStrategyBase` (Lightning's five, the last one
+    called ``precision_plugin`` here as in the Trainer's strategies; ``aggregator``, ``sync``,
+    ``ranks_per_node``, ``node_transport``, ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``own_bucket_mb``,
+    ``data_parallel``, ``abort_on_exception``, ``stop_signals``, ``set_num_threads``) and:
 
     Args:
-        aggregator: how gradient buckets are combined (default: :class:`~mpistrategy.aggregation.MeanAggregator`);
-            under hierarchical modes, the combination across nodes.
-        sync: the step-level sync mode, a :class:`~mpistrategy.sync.SyncMode` or its name (``"flat"``, the
-            default: every step over all ranks; see :mod:`mpistrategy.sync`).
-        ranks_per_node: make groups of this many ranks act as nodes (default: nodes from MPI, or
-            ``MPISTRATEGY_RANKS_PER_NODE``): one machine can then act as several nodes.
-        node_transport: how node-local gradient averaging travels: ``"mpi"`` (the node's shared-memory
-            communicator, default), ``"gloo"`` or ``"nccl"`` (a torch.distributed group per node, its rendezvous
-            done over MPI).
         log_traffic: log the payload bytes this rank sent in each optimizer step (``comm/bytes_per_step``, split
             into ``comm/node_bytes_per_step`` and ``comm/inter_node_bytes_per_step``; rank 0's values).
-        bucket_cap_mb: gradient bucket size cap in MB (DDP's default 25).
-        first_bucket_cap_mb: cap of the first bucket, which is started first (default: ``bucket_cap_mb``). DDP
-            uses 1 MB so that communication starts early; with MPI, whose non-blocking collectives progress only
-            inside MPI calls, that early start bought no measurable overlap on CPU while the extra collective
-            cost about 0.2 ms per step on the benchmark MLP (see benchmarks/strategy.py), so it is opt-in.
-        own_bucket_mb: a parameter whose gradient has at least this many MB is its own bucket and is combined in
-            place in the ``.grad`` autograd produced: no flat buffer, no zeroing and no accumulation pass per step
-            (``math.inf`` puts every gradient into flat buckets).
-        data_parallel: broadcast rank 0's parameters and buffers at setup and average the gradients (data
-            parallelism). ``False`` for a model split across the ranks (tensor or pipeline parallel, where each
-            rank's parameters and gradients are its own slice): no broadcast, no gradient reducer; checkpoints,
-            metrics, failure handling and stop signals stay as they are.
-        abort_on_exception: abort every rank when one raises (prints the traceback first), and report a rank that
-            ends through ``os._exit``. Turn off only for a deliberate, identical exception on every rank that the
-            script catches.
-        stop_signals: signals that trigger a coordinated stop (default SIGTERM and SIGUSR1): every rank stops before
-            the same batch and ``fit`` raises ``SIGTERMException`` with exit code
-            :data:`~mpistrategy.strategy.failures.STOPPED_EXIT_CODE` (75); ``()`` leaves Lightning's own handling in
-            place.
         checkpoint_on_stop: save a checkpoint (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, which
-            ``fit(ckpt_path="hpc")`` resumes from, continuing exactly where it stopped) before a coordinated stop.
-        set_num_threads: when ``OMP_NUM_THREADS`` is unset, give each rank ``cpu_count // ranks_per_node``
-            torch threads (as Lightning does for the processes it launches).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for any Lightning
-            parallel strategy; the cluster environment defaults to :class:`MPIEnvironment`.
+            ``fit(ckpt_path="hpc")`` resumes from, continuing exactly where it stopped) before a coordinated stop;
+            ``fit`` then raises ``SIGTERMException`` with exit code
+            :data:`~mpistrategy.strategy.failures.STOPPED_EXIT_CODE` (75).
     """
 
-    strategy_name = "mpi_ad"
     _framework_name: str = LIGHTNING
-    _environment_class: type = MPIEnvironment
 
     def __init__(
         self,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
+        *args: Any,
         precision_plugin: Any = None,
-        *,
-        aggregator: Aggregator | None = None,
-        sync: SyncMode | str | None = None,
-        ranks_per_node: int | None = None,
-        node_transport: str = "mpi",
         log_traffic: bool = True,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float | None = None,
-        own_bucket_mb: float = 1.0,
-        data_parallel: bool = True,
-        abort_on_exception: bool = True,
-        stop_signals: Iterable[int] = _DEFAULT_STOP_SIGNALS,
         checkpoint_on_stop: bool = True,
-        set_num_threads: bool = True,
+        **options: Any,
     ) -> None:
-        if node_transport not in NODE_TRANSPORTS:
-            valid = ", ".join(map(repr, NODE_TRANSPORTS))
-            raise ValueError(f"node_transport={node_transport!r} is not one of {valid}.")
-        if cluster_environment is None:
-            cluster_environment = self._environment_class(ranks_per_node)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        self.aggregator: Aggregator = aggregator if aggregator is not None else MeanAggregator()
-        self.sync: SyncMode = build_sync(sync)
-        self.node_transport = node_transport
+        # args: accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin (Lightning's order)
+        if precision_plugin is not None:
+            options["precision"] = precision_plugin
+        super().__init__(*args, **options)
         self.log_traffic = log_traffic
-        self.bucket_cap_mb = bucket_cap_mb
-        self.first_bucket_cap_mb = first_bucket_cap_mb
-        self.own_bucket_mb = own_bucket_mb
-        self.data_parallel = data_parallel
-        self.abort_on_exception = abort_on_exception
         self.checkpoint_on_stop = checkpoint_on_stop
-        self.set_num_threads = set_num_threads
-        self._stop_signal_numbers = tuple(stop_signals)
-        self._stop: failures.StopSignals | None = None
         self._checked_step = -1
         self._engine: DataParallelEngine | None = None
-        self._traffic = TrafficCounter()
         self._engine_state: dict[str, Any] | None = None
         self._epoch: int | None = None
         self._sync_gradients = True
         self._layer_sync_applied: Any = None
         self._random_state_to_restore: random_state.RandomState | None = None
-        if self.abort_on_exception and self.world_size > 1:
-            failures.install_excepthook()
-            failures.report_os_exit()
-
-    # --------------------------------------------------------------------------------------------- ranks
 
     @property
     def _fw(self):
         return framework(self._framework_name)
 
-    @property
-    def topology(self) -> Topology:
-        """Ranks, nodes and communicators of this process (from the cluster environment)."""
-        env = self.cluster_environment
-        if not hasattr(env, "topology"):
-            from mpistrategy.comm.topology import topology
-
-            return topology()
-        return env.topology
-
-    @property
-    def is_distributed(self) -> bool:
-        """Tells Lightning to use distributed samplers and to honour ``self.log(..., sync_dist=True)``."""
-        return True
-
-    @property
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices or [torch.device("cpu")]
-        if devices[0].type == "cuda":
-            return torch.device("cuda", self.topology.machine_rank % max(1, torch.cuda.device_count()))
-        return devices[0]
-
-    @property
-    def num_nodes(self) -> int:
-        return self.topology.num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        if num_nodes != self.topology.num_nodes:
-            log.debug("mpi_ad: ignoring num_nodes=%s; MPI runs on %s node(s).", num_nodes, self.topology.num_nodes)
-
-    @property
-    def num_processes(self) -> int:
-        """Processes on this node."""
-        return self.topology.local_size
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def set_world_ranks(self) -> None:
-        """Called by the Trainer at construction: make ``rank_zero_only`` follow the MPI rank."""
-        from lightning_utilities.core.rank_zero import rank_zero_only
-
-        rank_zero_only.rank = self.global_rank
-
     # --------------------------------------------------------------------------------------------- setup
-
-    def setup_environment(self) -> None:
-        if self.set_num_threads and "OMP_NUM_THREADS" not in os.environ:
-            threads = max(1, _cpus_available() // max(1, self.topology.machine_size))
-            torch.set_num_threads(threads)
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-        super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
         fw = self._fw
@@ -239,23 +112,12 @@ class MPIADStrategyMixin:
             self._layer_sync_applied = layer_sync
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self.data_parallel:
-            sync.broadcast_module_state(self.model, self.topology.control)
+        self.broadcast_module_state(self.model)
         self._attach_metric_sync()
         if fitting:
             self.setup_optimizers(trainer)
             if self.world_size > 1 and self.data_parallel:
-                self._engine = DataParallelEngine(
-                    self.sync,
-                    self.aggregator,
-                    self.topology,
-                    self.bucket_cap_mb,
-                    self.first_bucket_cap_mb,
-                    self.own_bucket_mb,
-                    self.node_transport,
-                    self._traffic,
-                )
-                self._engine.setup(self.model, self.optimizers)
+                self._engine = self._build_engine(self.model, self.optimizers)
                 if self._engine_state is not None:
                     self._engine.load_state_dict(self._engine_state)
         self.setup_precision_plugin()
@@ -270,11 +132,8 @@ class MPIADStrategyMixin:
         self.model.to(self.root_device)
 
     def _attach_metric_sync(self) -> None:
-        if self.model is not None and self.world_size > 1:
-            sync.attach_metric_sync(self.model, self._gather_metric_state, _true)
-
-    def _gather_metric_state(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
-        return sync.gather_tensors(tensor, self.topology.control)
+        if self.model is not None:
+            self.attach_metric_sync(self.model)
 
     # ------------------------------------------------------------------------------------- gradient sync
 
@@ -311,11 +170,6 @@ class MPIADStrategyMixin:
                 )
         return output
 
-    @property
-    def traffic(self) -> TrafficCounter:
-        """The payload bytes this rank sent for gradient and model averaging, per step and in total."""
-        return self._traffic
-
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradients accumulate locally inside this context (no communication)."""
@@ -334,30 +188,8 @@ class MPIADStrategyMixin:
     # -------------------------------------------------------------------------------------- collectives
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce a tensor over all ranks: ``reduce_op`` is "mean"/"sum"/"max"/"min" or a ``ReduceOp``.
-        Non-tensors are returned unchanged."""
-        if not isinstance(tensor, Tensor):
-            return tensor
-        return sync.reduce_tensor(tensor, reduce_op, world())
-
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        """Every rank's tensor stacked: shape ``(world_size, *tensor.shape)``; differentiable with ``sync_grads``."""
-        return sync.all_gather(tensor, world(), sync_grads)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s object (anything picklable) on every rank."""
-        return sync.broadcast_object(obj, src, self.topology.control)
-
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        if self.world_size > 1:
-            self.topology.control.Barrier()
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        from mpi4py import MPI
-
-        if self.world_size == 1:
-            return bool(decision)
-        return bool(self.topology.control.allreduce(bool(decision), op=MPI.LAND if all else MPI.LOR))
+        """The Trainer's name for :meth:`~mpistrategy.strategy.base.MPIStrategyBase.all_reduce`."""
+        return self.all_reduce(tensor, group, reduce_op)
 
     # -------------------------------------------------------------------------------------- checkpoints
 
@@ -418,11 +250,8 @@ class MPIADStrategyMixin:
 
     def on_train_start(self) -> None:
         self._attach_metric_sync()
-        if self._stop_signal_numbers:
-            if self._stop is None:
-                self._stop = failures.StopSignals(self._stop_signal_numbers, self.topology.control)
-            self._stop.install()
-            self._checked_step = -1
+        self._install_stop_signals()
+        self._checked_step = -1
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Before each batch: the sync mode's epoch boundaries; then, for a training dataloader that is not
@@ -459,9 +288,7 @@ class MPIADStrategyMixin:
         self._epoch = epoch
 
     def on_train_end(self) -> None:
-        if self._stop is not None:
-            self._stop.finish()
-            self._stop.uninstall()
+        self._release_stop_signals()
 
     def on_validation_start(self) -> None:
         self._attach_metric_sync()
@@ -479,8 +306,7 @@ class MPIADStrategyMixin:
         gradient accumulation, and the same on every rank). The decision lags one check behind the signal. The
         checkpoint (with the random state of this moment) resumes with the batch about to be fetched.
         """
-        assert self._stop is not None
-        signum = self._stop.decide()
+        signum = self._decide_stop()
         if not signum:
             return
         name = signal.Signals(signum).name
@@ -501,9 +327,7 @@ class MPIADStrategyMixin:
             self._engine.teardown()
             self._engine = None
         self._epoch = None
-        if self._stop is not None:
-            self._stop.finish()
-            self._stop.uninstall()
+        self._release_stop_signals()
         if self._layer_sync_applied is not None and self.model is not None:
             self.model = self._layer_sync_applied.revert(self.model)
             self._layer_sync_applied = None
@@ -516,17 +340,6 @@ class MPIADStrategyMixin:
 
 class MPIADStrategy(MPIADStrategyMixin, ParallelStrategy):
     """Data-parallel training over MPI for ``lightning.pytorch`` (see :class:`MPIADStrategyMixin` for options)."""
-
-
-def _true() -> bool:
-    return True
-
-
-def _cpus_available() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 # Last statement: registrations that Lightning's import triggered while this module was half-imported.

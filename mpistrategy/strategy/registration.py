@@ -1,9 +1,10 @@
 """Registering ``"mpi_ad"`` (and one name per sync mode) with Lightning, without making ``import mpistrategy``
 import Lightning.
 
-Lightning has no entry points for strategies: a name must be put in ``StrategyRegistry`` by code that runs in the
-user's process. ``lightning.pytorch`` and ``pytorch_lightning`` keep separate registries, and importing either
-takes seconds, which users of the collectives alone should not pay. So :func:`install` (run by
+Lightning has no entry points for strategies: a name must be put in a strategy registry by code that runs in the
+user's process. The Trainer of ``lightning.pytorch``, that of ``pytorch_lightning`` and ``lightning.fabric``'s
+Fabric keep separate registries, and importing Lightning takes seconds, which users of the collectives alone should
+not pay. So :func:`install` (run by
 ``import mpistrategy``) registers with each package that is already imported, and for each one that is not, adds
 a tiny import hook that registers right after that package finishes importing. Either way, by the time a
 ``Trainer(strategy="mpi_ad")`` can be built, the name is registered.
@@ -12,13 +13,16 @@ The names (:data:`STRATEGIES`): ``"mpi_ad"`` (flat data parallelism) and ``"mpi_
 mode of :mod:`mpistrategy.sync` (``Trainer(strategy="mpi_daso")`` is ``MPIADStrategy(sync="daso")`` with the
 mode's defaults; configure a mode by passing ``MPIADStrategy(sync=DASO(...))`` instead).
 
-Registration also wraps the accelerator connector's cluster-environment choice: for these names,
-Lightning would otherwise build its ``SLURMEnvironment`` under ``srun`` (before the strategy exists), which raises
-for ``--ntasks`` without ``--ntasks-per-node``; for our strategy the MPI environment is chosen instead.
+Registration also wraps the connectors (the Trainer's and Fabric's): their cluster-environment choice, because
+for these names Lightning would otherwise build its ``SLURMEnvironment`` under ``srun`` (before the strategy
+exists), which raises for ``--ntasks`` without ``--ntasks-per-node`` (for our strategy the MPI environment is
+chosen instead); and their construction, so that the strategy sees the ``devices=``/``num_nodes=`` flags
+(:mod:`~mpistrategy.strategy.conventions`, which also makes Lightning's ``sync_dist=True`` hint apply).
 
 :func:`install` also sets ``rank_zero_only.rank`` from MPI when the world has several ranks: Lightning guesses the
 rank from launcher variables only (RANK, LOCAL_RANK, SLURM_PROCID, JSM_NAMESPACE_RANK), so under ``mpiexec`` every
-rank would otherwise believe it is rank 0 until a Trainer exists.
+rank would otherwise believe it is rank 0 until a Trainer exists; and it keeps ``seed_everything``'s "Seed set to
+N" message on rank 0.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
+
+from mpistrategy.strategy import conventions
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +87,14 @@ def register_lightning() -> None:
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.pytorch.strategies import StrategyRegistry
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+    from lightning.pytorch.trainer.connectors.logger_connector import result
 
     from mpistrategy.strategy.environment import MPIEnvironment
     from mpistrategy.strategy.mpi_ad import MPIADStrategy
 
     _register(StrategyRegistry, MPIADStrategy, "lightning.pytorch")
-    _prefer_mpi_environment(_AcceleratorConnector, ClusterEnvironment, MPIEnvironment)
+    _wrap_connector(_AcceleratorConnector, ClusterEnvironment, MPIEnvironment, "Trainer")
+    conventions.hint_sync_dist(result)
 
 
 def register_pytorch_lightning() -> None:
@@ -94,11 +102,26 @@ def register_pytorch_lightning() -> None:
     from lightning_fabric.plugins.environments import ClusterEnvironment
     from pytorch_lightning.strategies import StrategyRegistry
     from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
+    from pytorch_lightning.trainer.connectors.logger_connector import result
 
     from mpistrategy.strategy.pytorch_lightning import MPIADStrategy, MPIEnvironment
 
     _register(StrategyRegistry, MPIADStrategy, "pytorch_lightning")
-    _prefer_mpi_environment(_AcceleratorConnector, ClusterEnvironment, MPIEnvironment)
+    _wrap_connector(_AcceleratorConnector, ClusterEnvironment, MPIEnvironment, "Trainer")
+    conventions.hint_sync_dist(result)
+
+
+def register_fabric() -> None:
+    """Register :data:`STRATEGIES` in ``lightning.fabric``'s strategy registry (idempotent)."""
+    from lightning.fabric.connector import _Connector
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from mpistrategy.strategy.environment import MPIEnvironment
+    from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy
+
+    _register(STRATEGY_REGISTRY, MPIADFabricStrategy, "lightning.fabric")
+    _wrap_connector(_Connector, ClusterEnvironment, MPIEnvironment, "Fabric")
 
 
 def _register(registry: Any, strategy: type, package: str) -> None:
@@ -110,6 +133,12 @@ def _register(registry: Any, strategy: type, package: str) -> None:
                 init_params = {} if name == NAME else {"sync": entry.sync}
                 registry.register(name, strategy, description=entry.description, **init_params)
         _registered.add(package)
+
+
+def _wrap_connector(connector: type, base: type, environment: type, owner: str) -> None:
+    """The MPI environment for our names, and the launch flags passed on to our strategy (see the module doc)."""
+    _prefer_mpi_environment(connector, base, environment)
+    conventions.follow_launch_flags(connector, owner)
 
 
 def _prefer_mpi_environment(connector: type, base: type, environment: type) -> None:
@@ -130,6 +159,7 @@ def _prefer_mpi_environment(connector: type, base: type, environment: type) -> N
 
 
 _REGISTRARS: dict[str, Callable[[], None]] = {
+    "lightning.fabric": register_fabric,
     "lightning.pytorch": register_lightning,
     "pytorch_lightning": register_pytorch_lightning,
 }
@@ -161,6 +191,7 @@ def _set_rank_zero_only() -> None:
 
     if MPI.COMM_WORLD.Get_size() == 1:
         return  # keep Lightning's own guess (another launcher may have set RANK)
+    conventions.log_seed_on_rank_zero_only(MPI.COMM_WORLD.Get_rank())
     try:
         from lightning_utilities.core.rank_zero import rank_zero_only
     except ImportError:

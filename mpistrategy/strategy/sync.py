@@ -18,6 +18,7 @@ from torch import nn
 from mpistrategy.collectives.reduction import _allgather_front, allreduce
 from mpistrategy.comm.buffers import mpi_buffer, off_wire, on_wire
 from mpistrategy.comm.communicator import Communicator
+from mpistrategy.strategy import failures
 
 _OP_NAMES = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
@@ -87,11 +88,13 @@ def broadcast_object(obj: Any, src: int, comm: MPI.Intracomm) -> Any:
 def broadcast_module_state(module: nn.Module, comm: MPI.Intracomm, root: int = 0) -> None:
     """Overwrite every parameter and buffer of ``module`` with rank ``root``'s values, in place.
 
+    The ranks first check that their modules have the same parameters and buffers (:func:`check_same_module`).
     Tensors are packed into one flat buffer per dtype and device, so the whole model takes a handful of
     broadcasts.
     """
     if comm.Get_size() == 1:
         return
+    check_same_module(module, comm, root)
     tensors = _unique(list(module.parameters()) + list(module.buffers()))
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
@@ -106,6 +109,41 @@ def broadcast_module_state(module: nn.Module, comm: MPI.Intracomm, root: int = 0
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def check_same_module(module: nn.Module, comm: MPI.Intracomm, reference: int = 0) -> None:
+    """Collective: raise ``ValueError`` on every rank if the names, shapes or dtypes of ``module``'s parameters and
+    buffers differ between the ranks, naming the first difference from rank ``reference``'s."""
+    mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in _named_state(module)]
+    everyone = comm.allgather(mine)
+    expected = everyone[reference]
+    for rank, theirs in enumerate(everyone):
+        if theirs != expected:
+            difference = _first_difference(theirs, expected, rank, reference)
+            raise failures.mark_raised_on_every_rank(
+                ValueError(
+                    f"the model differs between ranks: {difference}. Every rank must build the same model (the same "
+                    f"layers, shapes and dtypes; initial values may differ, rank {reference}'s are broadcast)."
+                )
+            )
+
+
+#: a parameter's or buffer's name, shape and dtype
+_Entry = tuple[str, tuple[int, ...], str]
+
+
+def _named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(module.named_parameters()) + list(module.named_buffers())
+
+
+def _first_difference(theirs: list[_Entry], expected: list[_Entry], rank: int, ref: int) -> str:
+    for (name, shape, dtype), (ref_name, ref_shape, ref_dtype) in zip(theirs, expected, strict=False):
+        if (name, shape, dtype) != (ref_name, ref_shape, ref_dtype):
+            return (
+                f"rank {rank} has {name!r} of shape {list(shape)} ({dtype}) where rank {ref} has {ref_name!r} of shape "
+                f"{list(ref_shape)} ({ref_dtype})"
+            )
+    return f"rank {rank} has {len(theirs)} parameters and buffers, rank {ref} has {len(expected)}"
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import mpistrategy  # noqa: F401  (registers "mpi_ad")
+from mpistrategy.aggregation import AggregationContext, GradBucket, MeanAggregator, Work
 
 COMM = MPI.COMM_WORLD
 RANK = COMM.Get_rank()
@@ -77,20 +78,18 @@ class Regressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
-def reference_sgd(
+def reference_training(
     net: nn.Module,
     data: TensorDataset,
     batch: int,
     steps: int,
-    lr: float,
-    momentum: float = 0.0,
+    optimizer: torch.optim.Optimizer,
     accumulate: int = 1,
     clip: float | None = None,
 ) -> nn.Module:
-    """One process, plain PyTorch: ``steps`` optimizer steps over consecutive batches of ``batch`` samples, each
-    step accumulating ``accumulate`` batches (loss divided by ``accumulate``, as Lightning does), optional
-    norm clipping."""
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    """One process, plain PyTorch: ``steps`` steps of ``optimizer`` (over ``net``'s parameters) over consecutive
+    batches of ``batch`` samples, each step accumulating ``accumulate`` batches (MSE divided by ``accumulate``, as
+    Lightning does), optional norm clipping."""
     x, y = data.tensors
     position = 0
     for _ in range(steps):
@@ -103,6 +102,35 @@ def reference_sgd(
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         optimizer.step()
     return net
+
+
+def reference_sgd(
+    net: nn.Module,
+    data: TensorDataset,
+    batch: int,
+    steps: int,
+    lr: float,
+    momentum: float = 0.0,
+    accumulate: int = 1,
+    clip: float | None = None,
+) -> nn.Module:
+    """:func:`reference_training` with plain SGD (momentum optional)."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    return reference_training(net, data, batch, steps, optimizer, accumulate, clip)
+
+
+class CountingMean(MeanAggregator):
+    """The default mean, counting how many bucket combinations it started."""
+
+    combined = 0
+
+    def setup(self, context: AggregationContext) -> None:
+        super().setup(context)
+        self.buckets = len(context.buckets)
+
+    def start(self, bucket: GradBucket) -> Work:
+        self.combined += 1
+        return super().start(bucket)
 
 
 def epoch_order(data: TensorDataset, epoch: int = 0, seed: int = 0) -> TensorDataset:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpistrategy.aggregation import AggregationContext, GradBucket, MeanAggregator, Work
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from tests.strategy.helpers import (
     SIZE,
+    CountingMean,
     Regressor,
     epoch_order,
     flat_parameters,
@@ -21,20 +21,6 @@ from tests.strategy.helpers import (
 
 PER_RANK_BATCH = 4
 STEPS = 4
-
-
-class CountingMean(MeanAggregator):
-    """The default mean, counting how many bucket combinations it started."""
-
-    combined = 0
-
-    def setup(self, context: AggregationContext) -> None:
-        super().setup(context)
-        self.buckets = len(context.buckets)
-
-    def start(self, bucket: GradBucket) -> Work:
-        self.combined += 1
-        return super().start(bucket)
 
 
 @pytest.mark.mpi(ranks=(2, 3, 4), timeout=120)

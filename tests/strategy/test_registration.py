@@ -1,5 +1,5 @@
-"""`import mpistrategy` registers "mpi_ad" (lazily: Lightning is not imported by it), plain `python` runs a world
-of one, and a SLURM/MPI mismatch fails loudly. Each check runs in a fresh interpreter."""
+"""`import mpistrategy` registers "mpi_ad" with the Trainers and Fabric (lazily: Lightning is not imported by it),
+plain `python` runs a world of one, and a SLURM/MPI mismatch fails loudly. Each check runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ def test_import_registers_without_importing_lightning() -> None:
         import sys
         import mpistrategy
         assert "lightning.pytorch" not in sys.modules and "pytorch_lightning" not in sys.modules
+        assert "lightning.fabric" not in sys.modules
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        from mpistrategy.strategy import MPIADFabricStrategy
+        assert STRATEGY_REGISTRY["mpi_ad"]["strategy"] is MPIADFabricStrategy, "not registered with Fabric"
         from lightning.pytorch.strategies import StrategyRegistry
         assert "mpi_ad" in StrategyRegistry, "not registered with lightning.pytorch"
         from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
@@ -71,6 +75,9 @@ def test_import_after_lightning_registers_too() -> None:
         "import lightning",
         "import pytorch_lightning",
         "import pytorch_lightning, lightning.pytorch",
+        "from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy",
+        "from mpistrategy.strategy.base import MPIStrategyBase",
+        "import lightning.fabric",
     ],
 )
 def test_registered_whatever_is_imported_first(first_import: str) -> None:
@@ -83,7 +90,8 @@ def test_registered_whatever_is_imported_first(first_import: str) -> None:
         warnings.simplefilter("error")
         from lightning.pytorch.strategies import StrategyRegistry
         from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
-        assert "mpi_ad" in StrategyRegistry and "mpi_ad" in PLRegistry
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        assert "mpi_ad" in StrategyRegistry and "mpi_ad" in PLRegistry and "mpi_daso" in STRATEGY_REGISTRY
         print("OK")
         """
     )
@@ -92,8 +100,9 @@ def test_registered_whatever_is_imported_first(first_import: str) -> None:
 
 
 def test_every_sync_mode_has_a_registered_name_that_builds_its_mode() -> None:
-    """``Trainer(strategy="mpi_<mode>")`` in both Lightning packages builds MPIADStrategy with that mode, and under
-    SLURM variables gets the MPI environment (Lightning would pick its SLURMEnvironment for an unknown name)."""
+    """``Trainer(strategy="mpi_<mode>")`` in both Lightning packages and ``Fabric(strategy="mpi_<mode>")`` build the
+    strategy with that mode, and under SLURM variables get the MPI environment (Lightning would pick its
+    SLURMEnvironment for an unknown name)."""
     result = _python(
         """
         import lightning.pytorch as L
@@ -105,6 +114,9 @@ def test_every_sync_mode_has_a_registered_name_that_builds_its_mode() -> None:
         from mpistrategy.strategy.pytorch_lightning import MPIEnvironment as PLEnvironment
         from mpistrategy.strategy.registration import STRATEGIES
         from mpistrategy.sync import SYNC_MODES
+        from lightning.fabric import Fabric
+        from lightning.fabric.strategies import STRATEGY_REGISTRY as FabricRegistry
+        from mpistrategy.strategy import MPIADFabricStrategy
 
         assert sorted(STRATEGIES) == sorted(["mpi_ad"] + [f"mpi_{m}" for m in SYNC_MODES if m != "flat"])
         built = []
@@ -118,6 +130,10 @@ def test_every_sync_mode_has_a_registered_name_that_builds_its_mode() -> None:
                 assert type(sync) is SYNC_MODES[entry.sync], (name, sync)
                 assert type(trainer.strategy.cluster_environment) is environment, trainer.strategy.cluster_environment
                 built.append(f"{name}={sync.name}")
+            assert FabricRegistry[name]["strategy"] is MPIADFabricStrategy
+            fabric = Fabric(strategy=name, accelerator="cpu")
+            assert type(fabric.strategy.sync) is SYNC_MODES[entry.sync], (name, fabric.strategy.sync)
+            assert type(fabric.strategy.cluster_environment) is MPIEnvironment
         # every Trainer gets a new mode object (with the mode's defaults), never a shared one
         first, second = L.Trainer(strategy="mpi_daso"), L.Trainer(strategy="mpi_daso")
         assert first.strategy.sync is not second.strategy.sync and second.strategy.sync.global_skip == 4

@@ -1,0 +1,110 @@
+"""Fabric's collectives under mpi_ad against references computed from every rank's known values: all_reduce (every
+op, floats, integers, booleans, collections), all_gather (shapes, collections, the adjoint with sync_grads),
+broadcast, barrier and reduce_boolean_decision."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from lightning.fabric.utilities.types import ReduceOp
+
+from tests.adjoint import assert_adjoint
+from tests.fabric.helpers import COMM, RANK, SIZE, launched, shared_tmpdir
+
+
+def _value(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s tensor: distinct per rank, with negative entries."""
+    return torch.tensor([[rank + 0.5, -2.0 * rank], [rank**2 - 1.0, 3.0]], dtype=torch.float64)
+
+
+EVERY_VALUE = torch.stack([_value(r) for r in range(SIZE)])
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+@pytest.mark.parametrize(
+    ("op", "reference"),
+    [
+        ("mean", EVERY_VALUE.mean(0)),
+        ("sum", EVERY_VALUE.sum(0)),
+        ("max", EVERY_VALUE.amax(0)),
+        ("min", EVERY_VALUE.amin(0)),
+        (ReduceOp.SUM, EVERY_VALUE.sum(0)),
+        (ReduceOp.MAX, EVERY_VALUE.amax(0)),
+    ],
+    ids=["mean", "sum", "max", "min", "ReduceOp.SUM", "ReduceOp.MAX"],
+)
+def test_all_reduce_every_op(op: object, reference: torch.Tensor) -> None:
+    fabric = launched()
+    torch.testing.assert_close(fabric.all_reduce(_value(RANK), reduce_op=op), reference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_all_reduce_integers_booleans_and_collections() -> None:
+    fabric = launched()
+    counts = torch.tensor([RANK + 1, 7 * RANK], dtype=torch.int64)
+    # as DDP: an integer mean is truncated to the integer dtype
+    expected_mean = torch.tensor([sum(r + 1 for r in range(SIZE)) // SIZE, sum(7 * r for r in range(SIZE)) // SIZE])
+    assert torch.equal(fabric.all_reduce(counts, reduce_op="mean"), expected_mean)
+    flags = torch.tensor([RANK == 0, True])
+    assert torch.equal(fabric.all_reduce(flags, reduce_op="sum"), torch.tensor([1, SIZE]))
+    nested = fabric.all_reduce({"a": _value(RANK), "b": [torch.tensor(float(RANK))], "tag": "kept"}, reduce_op="sum")
+    torch.testing.assert_close(nested["a"], EVERY_VALUE.sum(0), rtol=0, atol=1e-12)
+    assert nested["b"][0].item() == sum(range(SIZE)) and nested["tag"] == "kept"
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_all_gather_shapes_values_and_collections() -> None:
+    fabric = launched()
+    gathered = fabric.all_gather(_value(RANK))
+    assert gathered.shape == (SIZE, 2, 2)
+    assert torch.equal(gathered, EVERY_VALUE)
+    scalar = fabric.all_gather(torch.tensor(float(RANK)))
+    assert torch.equal(scalar, torch.arange(SIZE, dtype=torch.float32))
+    nested = fabric.all_gather({"x": torch.full((3,), RANK), "y": (torch.tensor([RANK * 2.0]),)})
+    assert torch.equal(nested["x"], torch.arange(SIZE).unsqueeze(1).expand(SIZE, 3))
+    assert torch.equal(nested["y"][0], 2.0 * torch.arange(SIZE, dtype=torch.float32).unsqueeze(1))
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_all_gather_sync_grads_is_the_adjoint() -> None:
+    fabric = launched()
+    x = torch.randn(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(RANK))
+    assert_adjoint(lambda t: fabric.all_gather(t, sync_grads=True), x)
+    assert not fabric.all_gather(x.requires_grad_(True)).requires_grad  # without sync_grads: no graph
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_broadcast_objects_and_tensors_from_any_rank() -> None:
+    fabric = launched()
+    source = SIZE - 1
+    mine = {"rank": RANK, "tensor": torch.full((2,), float(RANK)), "text": f"from {RANK}"}
+    got = fabric.broadcast(mine, src=source)
+    assert got["rank"] == source and got["text"] == f"from {source}"
+    assert torch.equal(got["tensor"], torch.full((2,), float(source)))
+    assert fabric.broadcast(RANK * 10) == 0  # src defaults to rank 0
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_barrier_waits_for_every_rank() -> None:
+    fabric = launched()
+    marker = os.path.join(shared_tmpdir(), "rank0-was-here")
+    if RANK == 0:
+        time.sleep(0.5)
+        with open(marker, "w") as handle:
+            handle.write("done")
+    fabric.barrier("after-rank-0-wrote")
+    assert os.path.exists(marker)
+    COMM.Barrier()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_reduce_boolean_decision() -> None:
+    strategy = launched().strategy
+    only_last = RANK == SIZE - 1
+    assert strategy.reduce_boolean_decision(only_last, all=False) is True
+    assert strategy.reduce_boolean_decision(only_last, all=True) is False
+    assert strategy.reduce_boolean_decision(True, all=True) is True
+    assert strategy.reduce_boolean_decision(False, all=False) is False

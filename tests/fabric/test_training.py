@@ -1,0 +1,173 @@
+"""Fabric with mpi_ad: N ranks with per-rank batch b train exactly like one process with batch N*b (float64), with
+and without ``no_backward_sync`` accumulation; two models in one backward pass; a sync mode (local SGD)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpistrategy.strategy import MPIADFabricStrategy
+from mpistrategy.sync import LocalSGD
+from tests.fabric.helpers import (
+    COMM,
+    OPTIMIZERS,
+    RANK,
+    SIZE,
+    CountingMean,
+    flat_parameters,
+    launched,
+    mlp,
+    rank_batches,
+    reference_training,
+    regression_data,
+)
+
+PER_RANK = 4
+STEPS = 3
+TOLERANCE = dict(rtol=1e-10, atol=1e-10)
+
+
+def _same_on_every_rank(tensor: torch.Tensor) -> None:
+    for other in COMM.allgather(tensor):
+        assert torch.equal(other, tensor), "the ranks' parameters differ"
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=90)
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_matches_single_process_whole_batch(optimizer: str, accumulate: int) -> None:
+    data = regression_data(SIZE * PER_RANK * accumulate * STEPS)
+    counting = CountingMean()
+    fabric = launched(MPIADFabricStrategy(aggregator=counting))
+    net = mlp(seed=1)
+    model, opt = fabric.setup(net, OPTIMIZERS[optimizer](net.parameters()))
+    assert fabric.world_size == SIZE
+    for index, (x, y) in enumerate(rank_batches(fabric, data, PER_RANK)):
+        last_micro_batch = (index + 1) % accumulate == 0
+        with fabric.no_backward_sync(model, enabled=not last_micro_batch):
+            fabric.backward(nn.functional.mse_loss(model(x), y) / accumulate)
+        if last_micro_batch:
+            opt.step()
+            opt.zero_grad()
+    # one combination per bucket and optimizer step: the micro-batches inside no_backward_sync did not communicate
+    assert counting.combined == STEPS * counting.buckets
+
+    reference = mlp(seed=1)
+    ref_opt = OPTIMIZERS[optimizer](reference.parameters())
+    reference_training(reference, data, SIZE * PER_RANK, STEPS, ref_opt, accumulate=accumulate)
+    got, want = flat_parameters(model), flat_parameters(reference)
+    assert not torch.equal(want, flat_parameters(mlp(seed=1))), "the reference did not train"
+    torch.testing.assert_close(got, want, **TOLERANCE)
+    torch.testing.assert_close(opt.state_dict()["state"], ref_opt.state_dict()["state"], **TOLERANCE)
+    _same_on_every_rank(got)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_setup_broadcasts_rank_zero_parameters_and_buffers() -> None:
+    fabric = launched()
+    model = mlp(seed=10 + RANK, batchnorm=True)
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(RANK + 1))
+    rank_zero = COMM.bcast({k: v.clone() for k, v in model.state_dict().items()}, root=0)
+    model = fabric.setup(model)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, rank_zero[name]), name
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_a_model_that_differs_on_one_rank_raises_on_every_rank() -> None:
+    fabric = launched()
+    with pytest.raises(ValueError, match=rf"rank {SIZE - 1} has '0.weight' of shape \[9, 6\] \(float64\) where rank 0"):
+        fabric.setup(mlp(hidden=9 if RANK == SIZE - 1 else 8))
+    COMM.Barrier()  # every rank raised: none is left in a collective
+
+
+class Generator(nn.Module):
+    """A generator whose extra head is used only on rank 0 (a parameter some ranks leave unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = nn.Linear(4, 6).double()
+        self.head = nn.Linear(6, 6).double()
+
+    def forward(self, z: torch.Tensor, rank: int) -> torch.Tensor:
+        out = torch.tanh(self.body(z))
+        return self.head(out) if rank == 0 else out
+
+
+def _critic() -> nn.Module:
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+
+
+def _losses(generator: nn.Module, critic: nn.Module, z: torch.Tensor, rank: int) -> torch.Tensor:
+    return critic(generator(z, rank)).pow(2).mean()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_two_models_in_one_backward_match_single_process() -> None:
+    """Two models set up separately (one with ``setup``, one with ``setup_module`` then ``setup_optimizers``), one
+    backward pass through both, a parameter used on rank 0 only: each model's gradients are the average over the
+    ranks (zero from the ranks that did not use it), on its own channels."""
+    fabric = launched()
+    generator, critic = Generator(), _critic()
+    g_opt = torch.optim.SGD(generator.parameters(), lr=0.1, momentum=0.9)
+    c_opt = torch.optim.AdamW(critic.parameters(), lr=0.05)
+    generator, g_opt = fabric.setup(generator, g_opt)
+    critic = fabric.setup_module(critic)  # the other way: the model first, then its optimizer
+    c_opt = fabric.setup_optimizers(c_opt)
+    assert len(fabric.strategy.engines) == 2
+    inputs = torch.randn(STEPS, SIZE, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS):
+        fabric.backward(_losses(generator, critic, inputs[step, RANK], RANK))
+        g_opt.step()
+        c_opt.step()
+        g_opt.zero_grad()
+        c_opt.zero_grad()
+
+    ref_generator, ref_critic = Generator(), _critic()
+    ref_g = torch.optim.SGD(ref_generator.parameters(), lr=0.1, momentum=0.9)
+    ref_c = torch.optim.AdamW(ref_critic.parameters(), lr=0.05)
+    for step in range(STEPS):
+        sum(_losses(ref_generator, ref_critic, inputs[step, r], r) for r in range(SIZE)).div(SIZE).backward()
+        for optimizer in (ref_g, ref_c):
+            optimizer.step()
+            optimizer.zero_grad()
+    for trained, reference in ((generator, ref_generator), (critic, ref_critic)):
+        torch.testing.assert_close(flat_parameters(trained), flat_parameters(reference), **TOLERANCE)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_local_sgd_by_name_averages_models_every_period() -> None:
+    """``Fabric(strategy="mpi_local_sgd")``: local steps, then the models averaged every ``period`` steps, exactly as
+    N replicas trained one by one and averaged in one process."""
+    fabric = launched(MPIADFabricStrategy(sync=LocalSGD(period=2)))
+    assert type(launched("mpi_local_sgd").strategy.sync) is LocalSGD
+    data = regression_data(SIZE * PER_RANK * 4)
+    model = mlp(seed=5)
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.2))
+    after_step = []
+    for x, y in rank_batches(fabric, data, PER_RANK):
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        after_step.append(flat_parameters(model))
+
+    replicas = [mlp(seed=5) for _ in range(SIZE)]
+    optimizers = [torch.optim.SGD(r.parameters(), lr=0.2) for r in replicas]
+    x, y = data.tensors
+    for step in range(4):
+        for r, (replica, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
+            rows = [SIZE * (step * PER_RANK + k) + r for k in range(PER_RANK)]
+            nn.functional.mse_loss(replica(x[rows]), y[rows]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if step % 2 == 1:
+            mean = torch.stack([flat_parameters(r) for r in replicas]).mean(0)
+            for replica in replicas:
+                torch.nn.utils.vector_to_parameters(mean.clone(), replica.parameters())
+        torch.testing.assert_close(after_step[step], flat_parameters(replicas[RANK]), **TOLERANCE)
+    assert not torch.equal(COMM.allgather(after_step[0])[0], COMM.allgather(after_step[0])[1])  # a local step
+    _same_on_every_rank(after_step[-1])
