@@ -26,6 +26,7 @@ from mpistrategy.comm.allocator import tune_malloc
 from mpistrategy.comm.checks import set_validation, validation, validation_enabled
 from mpistrategy.comm.communicator import Communicator, world
 from mpistrategy.comm.errors import CommunicationError
+from mpistrategy.comm.shm_allreduce import set_shared_memory, shared_memory
 
 tune_malloc()
 world()
@@ -64,7 +65,9 @@ __all__ = [
     "scatter_v",
     "send",
     "sendrecv",
+    "set_shared_memory",
     "set_validation",
+    "shared_memory",
     "validation",
     "validation_enabled",
     "wait_backward_sends",

@@ -17,7 +17,10 @@ each rank's own loss, and ``g_r = dL_r/dy_r`` is rank r's cotangent of the op's 
 The logical (``land``, ``lor``, ``lxor``) and bitwise (``band``, ``bor``, ``bxor``) ops take bool and integer
 tensors only, which torch never lets require grad: their results carry no gradient. Half-precision tensors are
 summed (and multiplied) in float32 and rounded once; bool supports max (logical or) and min (logical and) and the
-logical and bitwise ops. The forward and backward messages travel on distinct duplicates of the communicator.
+logical and bitwise ops. The forward and backward messages travel on distinct duplicates of the communicator. Sum
+and avg over ranks that share a node go through shared memory instead of MPI from a size threshold on (see
+:mod:`mpistrategy.comm.shm_allreduce`); the ranks agree on that choice in the argument check, which itself goes
+through the shared-memory flags once a communicator's ranks have them.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from mpistrategy.comm.buffers import (
 from mpistrategy.comm.checks import check_dim, check_rank, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.pool import receive_pool
+from mpistrategy.comm.shm_allreduce import agreement, group_for, wanted
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 
@@ -96,8 +100,12 @@ def _allreduce_result(
 def _allreduce(
     tensor: torch.Tensor, op: str, channel: MPI.Intracomm, size: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Blocking ``MPI_Allreduce`` of ``tensor`` on ``channel`` (``size`` ranks); the result goes to ``out`` when
-    given (in place when ``out`` is ``tensor``'s own memory), else to a new tensor."""
+    """Blocking ``MPI_Allreduce`` of ``tensor`` on ``channel`` (``size`` ranks), or the shared-memory allreduce
+    where it applies; the result goes to ``out`` when given (in place when ``out`` is ``tensor``'s own memory),
+    else to a new tensor."""
+    group = group_for(channel, tensor, op)
+    if group is not None:
+        return group.allreduce(tensor, op, out)
     send, result, operation, _ = _allreduce_buffers(tensor, op, out)
     channel.Allreduce(send, mpi_buffer(result), operation)
     return _allreduce_result(result, tensor, op, size, out)
@@ -106,7 +114,11 @@ def _allreduce(
 def _start_allreduce(
     tensor: torch.Tensor, op: str, channel: MPI.Intracomm, size: int, out: torch.Tensor | None = None
 ) -> Pending:
-    """Non-blocking :func:`_allreduce`: ``MPI_Iallreduce`` posted, and what completes it."""
+    """Non-blocking :func:`_allreduce`: ``MPI_Iallreduce`` posted (or the shared-memory allreduce started), and
+    what completes it."""
+    group = group_for(channel, tensor, op)
+    if group is not None:
+        return group.start(tensor, op, out)
     send, result, operation, sent = _allreduce_buffers(tensor, op, out)
     request = channel.Iallreduce(send, mpi_buffer(result), operation)
     return Pending([request], lambda: _allreduce_result(result, tensor, op, size, out), keepalive=(sent, result))
@@ -147,19 +159,21 @@ def _check_reduction(tensor: torch.Tensor, op: str, what: str, refusal: str | No
         raise ValueError(f"{what}: op={op!r} is not {refusal}.")
 
 
-_ALLREDUCE_AGREES = "dtype, shape, op, requires_grad"
+_ALLREDUCE_AGREES = "dtype, shape, op, requires_grad, shared memory"
 
 
 def _allreduce_arguments(
-    what: str, tensor: torch.Tensor, op: str, out: torch.Tensor | None, refusal: str | None
+    what: str, tensor: torch.Tensor, op: str, out: torch.Tensor | None, refusal: str | None, size: int
 ) -> tuple[tuple, int]:
-    """This rank's checks of an allreduce: the signature all ranks must share, and whether autograd records it."""
+    """This rank's checks of an allreduce over ``size`` ranks: the signature all ranks must share (with whether
+    this rank's settings choose shared memory for it), and whether autograd records it."""
     _check_reduction(tensor, op, what, refusal)
     recorded = grad_flag(tensor)
     dtype, shape = tensor.dtype, tensor.shape
     if out is not None:
         check_out(out, recorded, what, None if out is tensor else shape, dtype)
-    return (dtype, shape, _OP_CODES[op], recorded), recorded  # signature(tensor, op, recorded), built inline
+    shared = wanted(tensor, op, size)
+    return (dtype, shape, _OP_CODES[op], recorded, shared), recorded  # signature(...), built inline
 
 
 @eager_under_compile
@@ -187,7 +201,19 @@ def allreduce(
     multiplies the summed cotangent by the conjugate product of the other ranks' inputs (exact with zeros).
     """
     comm = resolve(comm)
-    recorded = checked(comm, "allreduce", _ALLREDUCE_AGREES, _allreduce_arguments, "allreduce", tensor, op, out, None)
+    recorded = checked(
+        comm,
+        "allreduce",
+        _ALLREDUCE_AGREES,
+        _allreduce_arguments,
+        "allreduce",
+        tensor,
+        op,
+        out,
+        None,
+        comm.size,
+        exchange=agreement(comm.forward, tensor, op),
+    )
     if not recorded:
         return _allreduce(tensor, op, comm.forward, comm.size, out)
     return _Allreduce.apply(tensor, op, comm)
@@ -211,7 +237,17 @@ def iallreduce(
     comm = resolve(comm)
     refusal = "available non-blocking; use allreduce for max and min"
     recorded = checked(
-        comm, "iallreduce", _ALLREDUCE_AGREES, _allreduce_arguments, "iallreduce", tensor, op, out, refusal
+        comm,
+        "iallreduce",
+        _ALLREDUCE_AGREES,
+        _allreduce_arguments,
+        "iallreduce",
+        tensor,
+        op,
+        out,
+        refusal,
+        comm.size,
+        exchange=agreement(comm.forward, tensor, op),
     )
     if op == "prod" and recorded:
         product = _NonBlockingProduct(comm)

@@ -140,6 +140,10 @@ def _digest(local: tuple) -> int:
 
 T = TypeVar("T")
 
+#: takes the MAX of an agreement's two int64 over the ranks in place, or offers them and keeps the second argument,
+#: which reports a disagreement on every rank, for the operation that compares them (see :func:`agree`)
+Exchange = Callable[[np.ndarray, Callable[[], NoReturn]], None]
+
 # The digest of a rank whose local checks failed: signature digests are never negative.
 _FAILED_DIGEST = -1
 
@@ -157,17 +161,23 @@ def attempt(check: Callable[..., T], *args: object) -> tuple[T | None, Exception
 
 
 def checked(
-    comm: Communicator, what: str, describe: str, check: Callable[..., tuple[Sequence[object], T]], *args: object
+    comm: Communicator,
+    what: str,
+    describe: str,
+    check: Callable[..., tuple[Sequence[object], T]],
+    *args: object,
+    exchange: Exchange | None = None,
 ) -> T:
     """Run ``check(*args)``, this rank's local checks of an op's arguments, which return ``(signature, value)``;
-    then :func:`agree` on the signature across ranks and return ``value``. A check that fails on any rank raises
-    on every rank (see :func:`agree`); ``describe`` names what the signature holds, for the error."""
+    then :func:`agree` on the signature across ranks (through ``exchange`` when given) and return ``value``. A
+    check that fails on any rank raises on every rank (see :func:`agree`); ``describe`` names what the signature
+    holds, for the error."""
     problem = None
     try:  # as attempt() does, without its call: this is every op's hot path
         local, value = check(*args)
     except Exception as error:
         local, value, problem = (), None, error
-    agree(comm, what, local, describe, problem)
+    agree(comm, what, local, describe, problem, exchange=exchange)
     return value
 
 
@@ -185,6 +195,7 @@ def agree(
     *,
     deferred: bool = False,
     shared: np.ndarray | None = None,
+    exchange: Exchange | None = None,
 ) -> None:
     """Raise on every rank unless every rank passed its local checks and all passed the same ``local`` signature.
 
@@ -194,6 +205,9 @@ def agree(
     collision). Only when they differ does :func:`report` name what each rank passed, or which ranks failed
     their checks and why. ``shared``: an int64 buffer whose first two values are used for ``[d, -d]`` and whose
     other values go through the same MAX reduction (one message for the check and a small payload).
+    ``exchange``: what takes the MAX of ``[d, -d]`` over the ranks in place instead of that allreduce (the
+    shared-memory flags of a node-local communicator); it may also only offer this rank's values and leave the
+    comparison to the operation that follows, which then calls the ``report`` it was given on a disagreement.
 
     A no-op when validation is off or the communicator has one rank: then ``problem`` is raised on this rank
     alone, unless ``deferred`` (and more than one rank), which leaves it to the caller's next exchange.
@@ -205,7 +219,10 @@ def agree(
     digest = _FAILED_DIGEST if problem is not None else _digest(local if type(local) is tuple else tuple(local))
     extremes = comm.agreement if shared is None else shared
     extremes[0], extremes[1] = digest, -digest
-    comm.forward.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
+    if exchange is not None and shared is None:
+        exchange(extremes, lambda: report(comm, what, local, describe, problem))
+    else:
+        comm.forward.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
     if extremes[0] != -extremes[1]:
         report(comm, what, local, describe, problem)
     if problem is not None:  # every rank failed its checks: each raises its own error

@@ -13,6 +13,14 @@ A parameter of at least ``own_bucket_mb`` (1 MB) gets a bucket of its own whose 
 zeroed nor accumulated into a flat buffer each step (four passes over their memory fewer). Fusing gains nothing
 at that size: one message per megabyte costs microseconds of latency.
 
+Shared memory (unless ``MPISTRATEGY_SHM=0``, see :mod:`mpistrategy.comm.shm_allreduce`). The host buckets live in
+one shared segment over the ranks of this machine, so that the node-local allreduce reads every rank's bucket
+where backward wrote it and reduces it in place, with no copy. When every rank of the world is on this machine,
+large gradients have no bucket of their own: their hook copies autograd's fresh gradient into their place in a
+regular bucket, once (the copy the allreduce would otherwise make into its staging area), and they follow the
+optimizer's ``zero_grad`` as before; fewer buckets mean fewer waits for the other ranks. The segment is freed when
+the buckets are rebuilt and by :meth:`GradientReducer.remove`, after the gradients in it are copied out.
+
 Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientReducer.wait`):
 
 - The optimizers' ``zero_grad`` (see :meth:`GradientReducer.attach_optimizer`) zero the flat buckets in place, so
@@ -26,9 +34,10 @@ Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientRe
   order.
 - Which parameters got a gradient on *some* rank is exchanged once per synchronised pass: a bitwise-or allreduce
   of one byte per parameter (1: a gradient accumulated into it on this rank since it was last combined or
-  zeroed, in this pass or in the unsynchronised micro-batches before it), non-blocking, on a private duplicate of
-  the communicator the step's aggregator spans (``AggregationContext.span``: all ranks for flat and hierarchical
-  averaging, the node for node-local averaging, so that nodes stay decoupled), so that every rank that combines
+  zeroed, in this pass or in the unsynchronised micro-batches before it), non-blocking, among the ranks the
+  step's aggregator spans (``AggregationContext.span``: all ranks for flat and hierarchical averaging, the node for
+  node-local averaging, so that nodes stay decoupled; through shared memory when they share it, else on a private
+  duplicate of that communicator, see :mod:`mpistrategy.comm.shm_or`), so that every rank that combines
   a bucket skips the same buckets. A rank posts it when its last bucket starts (during backward, in the common
   case that it used every parameter; it then needs no answer, and completes the exchange at its next one) or
   else in :meth:`~GradientReducer.wait`.
@@ -68,6 +77,9 @@ from torch import nn
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket, Work
 from mpistrategy.comm.checks import validation
+from mpistrategy.comm.shm_allreduce import buffer_ranks, release
+from mpistrategy.comm.shm_or import OrExchange, or_exchange
+from mpistrategy.comm.shm_window import Segment, allocate, locate
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.sync.base import SyncContext, SyncMode
@@ -76,6 +88,7 @@ from mpistrategy.sync.flat import FlatSync
 log = logging.getLogger(__name__)
 
 _MB = 1024 * 1024
+_SHARED_ALIGN = 64  # bytes: buckets in shared memory start on cache lines
 
 
 class BucketLayoutError(RuntimeError):
@@ -118,6 +131,13 @@ def assign_buckets(
             cap = bucket_cap_mb * _MB
     buckets.extend(open_buckets.values())
     return buckets
+
+
+def _copy_out(param: nn.Parameter, segment: Segment) -> None:
+    """Give ``param`` a private copy of its gradient if that lives in ``segment``."""
+    grad = param.grad
+    if grad is not None and (where := locate(grad)) is not None and where[0] is segment:
+        param.grad = grad.clone()
 
 
 #: what one optimizer's zero_grad does: flat buffers and views to zero, other parameters (reset as the optimizer
@@ -176,9 +196,9 @@ class GradientReducer:
         self._sent = np.zeros(count, dtype=np.uint8)  # the snapshot of _local in flight
         self._used = np.zeros(count, dtype=np.uint8)  # 1: some rank has a gradient (the exchange's result)
         # private duplicates, per communicator an aggregator spans, for the exchange of which parameters are used
-        self._usage_comms: dict[int, MPI.Intracomm] = {}
-        self._usage_comm: MPI.Intracomm = MPI.COMM_NULL
-        self._usage: MPI.Request | None = None  # the exchange in flight (possibly an earlier pass's)
+        self._usage_exchanges: dict[int, OrExchange] = {}
+        self._usage_exchange: OrExchange | None = None
+        self._usage: OrExchange | None = None  # the exchange in flight (possibly an earlier pass's)
         self._posted = False  # whether this pass's exchange was posted
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._flags: tuple[bool, ...] = ()
@@ -192,6 +212,8 @@ class GradientReducer:
         self.started_at_wait = 0
         self._patched: list[tuple[object, bool]] = []
         self._zero_plans: dict[tuple[int, int], _ZeroPlan] = {}
+        self._segment: Segment | None = None  # the shared memory of the host buckets
+        self._copied: set[int] = set()  # ids of large parameters whose gradient their hook copies into a bucket
         self._build()
 
     # ----------------------------------------------------------------------------------------------- layout
@@ -204,9 +226,16 @@ class GradientReducer:
         self._remove_hooks()
         chosen = [(n, p) for n, p in self._named if p.requires_grad or id(p) in self._covered]
         self._covered = {id(p) for _, p in chosen}
-        groups = assign_buckets(
-            list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
-        )
+        retired, old_segment = self.buckets, self._segment
+        machine = buffer_ranks()
+        # with every rank on this machine the allreduce runs in shared memory, where a large gradient is copied
+        # in once anyway: it needs no bucket of its own, and fewer buckets mean fewer waits for the other ranks
+        copy_large = machine is not None and machine.Get_size() == self.topology.size
+        own_bucket_mb = math.inf if copy_large else self.own_bucket_mb
+        groups = assign_buckets(list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb, own_bucket_mb)
+        self._copied = {id(p) for _, p in chosen if copy_large and owns_bucket(p, self.own_bucket_mb)}
+        groups = [sorted(group, key=lambda item: id(item[1]) in self._copied) for group in groups]  # copied last
+        self._segment, places = self._shared_layout(groups, machine)
         self.buckets = []
         self._slots = []
         for index, group in enumerate(groups):
@@ -214,8 +243,10 @@ class GradientReducer:
             offsets = [sum(numels[:i]) for i in range(len(numels))]
             first = group[0][1]
             params = [p for _, p in group]
-            own = len(group) == 1 and owns_bucket(first, self.own_bucket_mb)
-            if own:  # no buffer of its own: it adopts the gradient autograd stores (a zero stand-in until then)
+            own = len(group) == 1 and owns_bucket(first, own_bucket_mb)
+            if places[index] is not None:
+                buffer = self._segment.typed(self._segment.rank, places[index], sum(numels), first.dtype).zero_()
+            elif own:  # no buffer of its own: it adopts the gradient autograd stores (a zero stand-in until then)
                 buffer = torch.zeros((), dtype=first.dtype, device=first.device).expand(numels[0])
             else:
                 buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
@@ -233,7 +264,42 @@ class GradientReducer:
         self._flags = ()
         self._zero_plans = {}
         self.sync.setup_buckets(self.buckets)
+        self._retire(retired, old_segment)
         log.debug("GradientReducer: %s", self)
+
+    def _shared_layout(
+        self, groups: list[list[tuple[str, nn.Parameter]]], machine: MPI.Intracomm | None
+    ) -> tuple[Segment | None, list[int | None]]:
+        """A shared-memory segment over ``machine`` (collective; ``None``: shared memory is off) for the host
+        buckets, and each bucket's byte offset in it (``None``: a private buffer, or an own-gradient bucket that
+        adopts autograd's tensor)."""
+        places: list[int | None] = [None] * len(groups)
+        if machine is None:
+            return None, places
+        total = 0
+        for index, group in enumerate(groups):
+            first = group[0][1]
+            if first.device.type != "cpu" or (
+                len(group) == 1 and id(first) not in self._copied and owns_bucket(first, self.own_bucket_mb)
+            ):
+                continue
+            total = -(-total // _SHARED_ALIGN) * _SHARED_ALIGN
+            places[index] = total
+            total += sum(p.numel() for _, p in group) * first.element_size()
+        return allocate(total, machine), places
+
+    def _retire(self, buckets: list[GradBucket], segment: Segment | None) -> None:
+        """Let go of ``buckets`` (no longer the reducer's) and free ``segment``, their shared memory, when nothing
+        refers to it any more (collective over the machine's ranks). Gradients still in it are copied out first,
+        so that ``.grad`` stays readable."""
+        if segment is None:
+            return
+        for bucket in buckets:
+            for param in bucket.params:
+                _copy_out(param, segment)
+            bucket.buffer, bucket.views = bucket.buffer.new_empty(0), []
+        if not segment.free():
+            log.debug("GradientReducer: tensors still refer to %s; it stays allocated", segment)
 
     def _check_layout(self) -> None:
         local = [(sum(b.numels), str(b.buffer.dtype), len(b.names)) for b in self.buckets]
@@ -271,7 +337,7 @@ class GradientReducer:
             self._active_count = [sum(a) for a in self._active]
         self.aggregator = self.sync.gradient_aggregator() if sync else None
         if self.aggregator is not None:
-            self._usage_comm = self._usage_comm_for(self.aggregator)
+            self._usage_exchange = self._usage_exchange_for(self.aggregator)
         self._armed = self.aggregator is not None
         if self._armed:
             self._posted = False
@@ -312,28 +378,30 @@ class GradientReducer:
         if self._next == count:
             self._exchange_usage()
 
-    def _usage_comm_for(self, aggregator: Aggregator) -> MPI.Intracomm:
-        """The private communicator on which the ranks ``aggregator`` combines exchange which parameters they
-        used: created on first use (collective over those ranks, which all reach this step together)."""
+    def _usage_exchange_for(self, aggregator: Aggregator) -> OrExchange:
+        """The exchange through which the ranks ``aggregator`` combines tell each other which parameters they
+        used (shared memory on one node, else a private communicator): created on first use (collective over
+        those ranks, which all reach this step together)."""
         assert aggregator.context is not None and aggregator.context.span is not None
         span = aggregator.context.span.comm
         key = span.py2f()
-        found = self._usage_comms.get(key)
+        found = self._usage_exchanges.get(key)
         if found is None:
             self._finish_usage()
-            found = self._usage_comms[key] = span.Dup()
+            found = self._usage_exchanges[key] = or_exchange(span, len(self._named))
         return found
 
     def _exchange_usage(self) -> None:
         """Post the bitwise-or allreduce of which parameters have a gradient on this rank (into ``_used``)."""
         self._finish_usage()
         np.copyto(self._sent, self._local)
-        self._usage = self._usage_comm.Iallreduce(self._sent, self._used, op=MPI.BOR)
+        self._usage_exchange.post(self._sent, self._used)
+        self._usage = self._usage_exchange
         self._posted = True
 
     def _finish_usage(self) -> None:
         if self._usage is not None:
-            self._usage.Wait()
+            self._usage.wait()
             self._usage = None
 
     def _progress(self) -> None:
@@ -473,8 +541,13 @@ class GradientReducer:
             if param.grad is not None:
                 if set_to_none:
                     param.grad = None
-                else:
-                    param.grad.detach_().zero_()
+                else:  # as torch's zero_grad does (a view, such as a bucket's, cannot be detached in place)
+                    grad = param.grad
+                    if grad.grad_fn is not None:
+                        grad.detach_()
+                    else:
+                        grad.requires_grad_(False)
+                    grad.zero_()
 
     def _zero_plan(self, optimizer: torch.optim.Optimizer) -> _ZeroPlan:
         count = sum(len(group["params"]) for group in optimizer.param_groups)
@@ -483,13 +556,16 @@ class GradientReducer:
         if plan is None:
             owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
             buffers, views, bucketed = [], [], set()
-            for bucket in (b for b in self.buckets if not b.own_gradient):  # those follow the optimizer's rule
-                mine = [id(p) in owned for p in bucket.params]
-                bucketed |= {id(p) for p in bucket.params}
+            # own-gradient buckets and large gradients copied into their bucket follow the optimizer's rule
+            for bucket in (b for b in self.buckets if not b.own_gradient):
+                accumulated = [p for p in bucket.params if id(p) not in self._copied]  # laid out first
+                mine = [id(p) in owned for p in accumulated]
+                bucketed |= {id(p) for p in accumulated}
                 if all(mine):
-                    buffers.append(bucket.buffer)
+                    if accumulated:
+                        buffers.append(bucket.buffer[: sum(bucket.numels[: len(accumulated)])])
                 else:
-                    views += [view for view, m in zip(bucket.views, mine, strict=True) if m]
+                    views += [view for view, m in zip(bucket.views, mine, strict=False) if m]
             others = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in bucketed]
             slots = [self._slot_of[id(p)] for b in self.buckets for p in b.params if id(p) in owned]
             plan = self._zero_plans[key] = (buffers, views, others, np.array(slots, dtype=np.intp))
@@ -498,8 +574,9 @@ class GradientReducer:
     # ------------------------------------------------------------------------------------------- lifetime
 
     def remove(self) -> None:
-        """Remove the hooks and give the optimizers their own ``zero_grad`` back (the gradients stay where they
-        are)."""
+        """Remove the hooks and give the optimizers their own ``zero_grad`` back; free the buckets' shared memory
+        (gradients in it are copied out first) and the gradient communicators' shared-memory groups. Collective:
+        every rank calls it (the strategy's teardown)."""
         self._remove_hooks()
         for target, had_attribute in reversed(self._patched):
             if not had_attribute and "zero_grad" in vars(target):
@@ -507,10 +584,15 @@ class GradientReducer:
         self._patched = []
         self._armed = False
         self._finish_usage()
-        for comm in self._usage_comms.values():
-            comm.Free()
-        self._usage_comms = {}
-        self._usage_comm = MPI.COMM_NULL
+        for exchange in self._usage_exchanges.values():
+            exchange.close()
+        self._usage_exchanges = {}
+        self._usage_exchange = None
+        self._zero_plans = {}
+        self._retire(self.buckets, self._segment)
+        self._segment = None
+        release(self.topology.gradients)
+        release(self.topology.node_gradients)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.nbytes / _MB:.2f} MB" for b in self.buckets)

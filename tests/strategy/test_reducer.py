@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mpistrategy.aggregation import MeanAggregator
+from mpistrategy.comm.shm_allreduce import shared_memory
 from mpistrategy.comm.topology import topology
 from mpistrategy.strategy.reducer import BucketLayoutError, GradientReducer, assign_buckets
 from mpistrategy.sync import HierarchicalSync, SyncContext
@@ -247,9 +248,12 @@ def test_different_models_raise_clearly() -> None:
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_own_gradient_buckets_combine_the_gradient_autograd_stored(set_to_none: bool) -> None:
     """A large gradient is its own bucket: after zero_grad(set_to_none=True) autograd stores a fresh gradient and
-    the bucket adopts that very tensor (no zeroing, no copy); with set_to_none=False it is zeroed in place."""
+    the bucket adopts that very tensor (no zeroing, no copy); with set_to_none=False it is zeroed in place. (With
+    shared memory on, and every rank on this machine, it is copied into shared memory instead: see
+    tests/comm/test_shm_allreduce.py.)"""
     net = _net()
-    reducer = _reducer(net, cap_mb=25, own_bucket_mb=16 / 1024)  # the 64x64 float64 weight (32 KB) only
+    with shared_memory("off"):
+        reducer = _reducer(net, cap_mb=25, own_bucket_mb=16 / 1024)  # the 64x64 float64 weight (32 KB) only
     optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
     reducer.attach_optimizer(optimizer)
     weight = net[2].weight

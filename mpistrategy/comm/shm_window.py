@@ -1,0 +1,199 @@
+"""Memory that every rank of a node can address: MPI-3 shared windows as torch tensors.
+
+A :class:`Segment` is one ``MPI.Win.Allocate_shared`` window over a communicator whose ranks share memory: every
+rank owns ``nbytes`` of it (its *part*, page-aligned) and can read and write every other rank's part at plain
+memory speed. :func:`allocate` creates one (collective over its communicator); :func:`locate` tells whether a
+tensor lives in one of this process's parts, and where.
+
+Segments carry an id that all their ranks agree on (the largest next id of the participants), so that ranks can
+name a segment to each other ("my data is in segment 7 at byte 4096"); with the world ranks of its participants,
+a rank can find any participant's copy of the same bytes. The memory comes from the MPI library (MPICH: a file
+in ``/dev/shm``, mapped by every rank and unlinked at once); pages are allocated when first touched, and are
+backed by huge pages only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows it.
+
+Freeing is collective and unmaps the memory under every tensor that still refers to it, so :meth:`Segment.free`
+first checks, on every rank, that nothing but the segment refers to its parts, and frees nothing otherwise.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import threading
+
+import torch
+from mpi4py import MPI
+
+#: every part starts on a page boundary (and so on a cache line: no false sharing between ranks)
+PAGE = 4096
+_REMEMBERED_VIEWS = 512
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:
+    """The world rank of every rank of ``comm``, in ``comm``'s order."""
+    world_group, group = MPI.COMM_WORLD.Get_group(), comm.Get_group()
+    try:
+        return tuple(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world_group))
+    finally:
+        group.Free()
+        world_group.Free()
+
+
+@functools.cache
+def machine_comm() -> MPI.Intracomm:
+    """The ranks of the world that share memory with this process (collective over the world on first use)."""
+    world = MPI.COMM_WORLD
+    return world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+
+
+class Segment:
+    """A shared window of ``nbytes`` per rank over ``comm`` (see the module docstring); built by :func:`allocate`.
+
+    Attributes:
+        id: the id every participant knows it by.
+        comm: the communicator it was allocated over (freeing is collective over it).
+        participants: the world rank of each of its ranks, in ``comm``'s order.
+        nbytes: the bytes of every rank's part.
+        rank: this process's index among the participants.
+    """
+
+    def __init__(self, segment_id: int, comm: MPI.Intracomm, nbytes: int, window: MPI.Win) -> None:
+        self.id = segment_id
+        self.comm = comm
+        self.participants = world_ranks(comm)
+        self.nbytes = nbytes
+        self.rank = comm.Get_rank()
+        self._window = window
+        self._index = {world_rank: index for index, world_rank in enumerate(self.participants)}
+        self._parts = [self._part_of(rank) for rank in range(comm.Get_size())]
+        self._typed: dict[tuple, torch.Tensor] = {}
+        self._chunked: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self.address = self._parts[self.rank].data_ptr()
+
+    def _part_of(self, rank: int) -> torch.Tensor:
+        memory, _ = self._window.Shared_query(rank)
+        start = -memory.address % PAGE
+        return torch.frombuffer(memory, dtype=torch.uint8, count=self.nbytes, offset=start)
+
+    def part(self, index: int) -> torch.Tensor:
+        """Participant ``index``'s bytes (uint8), as a tensor this process can read and write."""
+        return self._parts[index]
+
+    def index_of(self, world_rank: int) -> int | None:
+        """The participant index of the process with this world rank, or ``None`` if it is not a participant."""
+        return self._index.get(world_rank)
+
+    def typed(self, index: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` at byte ``offset`` of participant ``index``'s part (a flat view, the
+        same tensor for the same arguments while the segment remembers it)."""
+        key = (index, offset, numel, dtype)
+        found = self._typed.get(key)
+        if found is None:
+            self._forget_views_if_full()
+            found = self._typed[key] = self._parts[index][offset : offset + numel * dtype.itemsize].view(dtype)
+        return found
+
+    def chunks(self, index: int, offset: int, numel: int, dtype: torch.dtype, step: int) -> tuple[torch.Tensor, ...]:
+        """:meth:`typed` split into consecutive chunks of ``step`` elements (remembered too: operations that
+        repeat reuse them instead of slicing anew)."""
+        key = (index, offset, numel, dtype, step)
+        found = self._chunked.get(key)
+        if found is None:
+            self._forget_views_if_full()
+            found = self._chunked[key] = self.typed(index, offset, numel, dtype).split(step)
+        return found
+
+    def _forget_views_if_full(self) -> None:
+        if len(self._typed) + len(self._chunked) >= _REMEMBERED_VIEWS:
+            self._typed.clear()
+            self._chunked.clear()
+
+    def fence(self) -> None:
+        """A full memory fence for loads and stores in shared memory (``MPI_Win_sync``)."""
+        self._window.Sync()
+
+    def in_use(self) -> bool:
+        """Whether a tensor other than the segment's own parts refers to its memory in this process."""
+        if _use_count is None:
+            return False
+        # the part tensor and the temporary storage object of the query hold one reference each
+        return any(_use_count(part.untyped_storage()._cdata) > 2 for part in self._parts)
+
+    def free(self) -> bool:
+        """Collective over ``comm``: free the window unless some rank still has tensors on it (then nothing is
+        freed and every rank returns False)."""
+        if self._window is None:
+            return True
+        self._typed.clear()
+        self._chunked.clear()
+        busy = self.comm.allreduce(self.in_use(), op=MPI.LOR)
+        if busy:
+            return False
+        with _lock:
+            _forget(self)
+        self._parts = []
+        self._window.Unlock_all()
+        self._window.Free()
+        self._window = None
+        return True
+
+    def __repr__(self) -> str:
+        return f"Segment(id={self.id}, {self.nbytes} bytes per rank, {len(self.participants)} ranks)"
+
+
+_lock = threading.Lock()
+_next_id = 0
+_by_address: list[tuple[int, Segment]] = []  # (this process's part address, segment), sorted
+_by_id: dict[int, Segment] = {}
+
+
+def allocate(nbytes: int, comm: MPI.Intracomm) -> Segment:
+    """A new :class:`Segment` of ``nbytes`` per rank over ``comm``, whose ranks must share memory.
+
+    Collective over ``comm``. Every rank may ask for a different size; each part is rounded up to whole pages.
+    """
+    global _next_id
+    nbytes = -(-max(int(nbytes), 1) // PAGE) * PAGE
+    with _lock:
+        segment_id = comm.allreduce(_next_id, op=MPI.MAX)
+        _next_id = segment_id + 1
+    info = MPI.Info.Create()
+    info.Set("alloc_shared_noncontig", "true")
+    try:
+        window = MPI.Win.Allocate_shared(nbytes + PAGE, 1, info=info, comm=comm)
+    finally:
+        info.Free()
+    window.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch, in which Win_sync is a memory fence
+    segment = Segment(segment_id, comm, nbytes, window)
+    with _lock:
+        bisect.insort(_by_address, (segment.address, segment), key=lambda item: item[0])
+        _by_id[segment_id] = segment
+    return segment
+
+
+def find(segment_id: int) -> Segment | None:
+    """This process's segment with id ``segment_id``, if it takes part in one."""
+    return _by_id.get(segment_id)
+
+
+def _forget(segment: Segment) -> None:
+    _by_address[:] = [(address, s) for address, s in _by_address if s is not segment]
+    _by_id.pop(segment.id, None)
+
+
+def locate(tensor: torch.Tensor) -> tuple[Segment, int] | None:
+    """The segment whose part in this process holds all of ``tensor``'s memory and the byte offset where it
+    starts, or ``None`` (not contiguous, not on the CPU, or not in shared memory)."""
+    if not _by_address or not tensor.is_cpu or not tensor.is_contiguous():
+        return None
+    start = tensor.data_ptr()
+    position = bisect.bisect_right(_by_address, start, key=lambda item: item[0]) - 1
+    if position < 0:
+        return None
+    address, segment = _by_address[position]
+    offset = start - address
+    if offset + tensor.numel() * tensor.element_size() > segment.nbytes:
+        return None
+    return segment, offset

@@ -1,0 +1,30 @@
+"""Rank 1 is killed while rank 0 waits for it in a shared-memory allreduce. Rank 0 must raise, not wait forever.
+
+Run by tests/comm/test_shm_failures.py under ``mpiexec -disable-auto-cleanup`` (the launcher leaves rank 0 alone
+when rank 1 dies, so only the library's own check can end it). Prints ``RAISED after <s> s: <error>`` and exits 3.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from mpi4py import MPI
+
+import mpistrategy as ms
+
+ms.set_shared_memory("on")
+rank = MPI.COMM_WORLD.Get_rank()
+tensor = torch.ones(100_000)
+assert torch.equal(ms.allreduce(tensor), tensor * 2)  # both ranks have built the group
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+started = time.monotonic()
+try:
+    ms.allreduce(tensor)
+except ms.CommunicationError as error:
+    print(f"RAISED after {time.monotonic() - started:.1f} s: {error}", flush=True)
+    os._exit(3)
+print("NOT RAISED", flush=True)
