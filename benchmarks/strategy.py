@@ -17,7 +17,12 @@ DistributedSampler), same optimizer (SGD, momentum 0.9), same number of steps an
   the result back;
 - ``reducer`` (for reference): the same plain loop with mpi_ad's gradient machinery instead of the allreduce
   (``GradientReducer`` with the default buckets and ``MeanAggregator``): what mpi_ad's sync costs without
-  Lightning's loop around it, so ``mpi_ad / reducer`` is the price of the Trainer itself.
+  Lightning's loop around it, so ``mpi_ad / reducer`` is the price of the Trainer itself;
+- the floors, with no synchronisation at all (every rank trains alone, side by side with the others, so that they
+  share the cores and memory as in the other contenders): ``local`` (the plain loop without the allreduce) and
+  ``lightning_local`` (``Trainer(devices=1)``, Lightning's single-device strategy). No data-parallel loop can be
+  faster than ``local``, nor any Lightning strategy than ``lightning_local``: ``lightning_local / ddp`` is the
+  least ``mpi_ad / ddp`` can be on this machine.
 
 Trainer runs are timed by a callback (time between consecutive ``on_train_batch_start``, i.e. the full step
 including data loading and every Lightning hook); the loops time whole iterations the same way. The contenders
@@ -78,6 +83,8 @@ def main() -> None:
         "hand": _hand_run(False),
         "hand_cat": _hand_run(True),
         "reducer": _reducer_run(),
+        "local": _local_run(),
+        "lightning_local": _trainer_run("local"),
     }
     rounds: list[dict[str, float]] = []
     order = list(contenders.items())
@@ -99,6 +106,9 @@ def main() -> None:
     ratio_cat = _paired(rounds, "mpi_ad", "hand_cat")
     ratio_reducer = _paired(rounds, "reducer", "hand")
     ratio_trainer = _paired(rounds, "mpi_ad", "reducer")
+    floor_ddp = _paired(rounds, "lightning_local", "ddp")
+    floor_hand = _paired(rounds, "local", "hand")
+    exposed = statistics.median(r["mpi_ad"] - r["lightning_local"] for r in rounds)
     print(f"\nmpi_ad strategy benchmark: {size} ranks, {threads} torch thread(s) per rank, MLP 784-1024-1024-10,")
     print(f"batch {BATCH} per rank, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up)\n")
     print(f"{'contender':<10} {'median ms/step':>15} {'range over rounds':>20}")
@@ -121,6 +131,12 @@ def main() -> None:
         f"mpi_ad / reducer = {ratio_trainer[0]:.2f}  ({ratio_trainer[1]:.2f} - {ratio_trainer[2]:.2f})   "
         "(what Lightning's loop adds)"
     )
+    print(
+        f"floors: lightning_local / ddp = {floor_ddp[0]:.2f}  ({floor_ddp[1]:.2f} - {floor_ddp[2]:.2f})   "
+        f"(the least any Lightning strategy's ratio to ddp can be); local / hand = {floor_hand[0]:.2f}  "
+        f"({floor_hand[1]:.2f} - {floor_hand[2]:.2f});\n        mpi_ad - lightning_local = {exposed:.2f} ms per step "
+        "(what mpi_ad's synchronisation costs on top of training alone)"
+    )
     path = save(
         "strategy",
         {
@@ -136,6 +152,9 @@ def main() -> None:
             "mpi_ad_vs_hand_cat": ratio_cat[0],
             "reducer_vs_hand": ratio_reducer[0],
             "mpi_ad_vs_reducer": ratio_trainer[0],
+            "lightning_local_vs_ddp": floor_ddp[0],
+            "local_vs_hand": floor_hand[0],
+            "mpi_ad_minus_lightning_local_ms": exposed,
             "targets": {"vs_ddp": TARGET_VS_DDP, "vs_hand": TARGET_VS_HAND},
         },
         args.results,
@@ -152,7 +171,7 @@ def _plot(rounds: list[dict[str, float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(rounds[0])
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     ax.boxplot([[r[name] for r in rounds] for name in names])
     ax.set_xticks(range(1, len(names) + 1), names)
     ax.set_ylabel("median ms per step (one point per round)")
@@ -255,9 +274,13 @@ def _trainer_run(kind: str):
             trainer = L.Trainer(
                 strategy=strategy, devices=size, num_nodes=1, plugins=[LightningEnvironment()], **options
             )
+        elif kind == "local":
+            trainer = L.Trainer(devices=1, **options)
         else:
             trainer = L.Trainer(strategy=kind, **options)
-        trainer.fit(Classifier(), DataLoader(_dataset(steps, size), batch_size=BATCH))
+        # alone, every rank trains on its share of the data (the length of the others' epochs)
+        data = _dataset(steps, 1 if kind == "local" else size)
+        trainer.fit(Classifier(), DataLoader(data, batch_size=BATCH))
         if kind == "ddp":
             # Lightning runs extra per-step work (a sigterm broadcast) whenever torch.distributed is initialised:
             # leave it uninitialised for the other contenders.
@@ -315,6 +338,21 @@ def _reducer_run():
             optimizer.step()
 
         return step, reducer.remove
+
+    return _plain_loop(make_step)
+
+
+def _local_run():
+    """The plain loop without any synchronisation: the floor of every data-parallel loop."""
+    from torch import nn
+
+    def make_step(model, optimizer):
+        def step(x, y) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+        return step, lambda: None
 
     return _plain_loop(make_step)
 
