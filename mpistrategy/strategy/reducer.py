@@ -15,8 +15,9 @@ at that size: one message per megabyte costs microseconds of latency.
 
 Shared memory (unless ``MPISTRATEGY_SHM=0``, see :mod:`mpistrategy.comm.shm_allreduce`). The host buckets live in
 one shared segment over the ranks of this machine, so that the node-local allreduce reads every rank's bucket
-where backward wrote it and reduces it in place, with no copy. When every rank of the world is on this machine,
-large gradients have no bucket of their own: their hook copies autograd's fresh gradient into their place in a
+where backward wrote it and reduces it in place, with no copy. When every rank of the world is on this machine
+and the aggregator is the mean (compressors work per bucket: their layout stays), large gradients have no bucket
+of their own: their hook copies autograd's fresh gradient into their place in a
 regular bucket, once (the copy the allreduce would otherwise make into its staging area), and they follow the
 optimizer's ``zero_grad`` as before; fewer buckets mean fewer waits for the other ranks. The segment is freed when
 the buckets are rebuilt and by :meth:`GradientReducer.remove`, after the gradients in it are copied out.
@@ -76,6 +77,7 @@ from mpi4py import MPI
 from torch import nn
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket, Work
+from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.comm.checks import validation
 from mpistrategy.comm.shm_allreduce import buffer_ranks, release
 from mpistrategy.comm.shm_or import OrExchange, or_exchange
@@ -228,9 +230,14 @@ class GradientReducer:
         self._covered = {id(p) for _, p in chosen}
         retired, old_segment = self.buckets, self._segment
         machine = buffer_ranks()
-        # with every rank on this machine the allreduce runs in shared memory, where a large gradient is copied
-        # in once anyway: it needs no bucket of its own, and fewer buckets mean fewer waits for the other ranks
-        copy_large = machine is not None and machine.Get_size() == self.topology.size
+        # with every rank on this machine the mean's allreduce runs in shared memory, where a large gradient is
+        # copied in once anyway: it needs no bucket of its own, and fewer buckets mean fewer waits for the other
+        # ranks. A compressing aggregator works per bucket: its layout (and so its result) stays the same.
+        copy_large = (
+            machine is not None
+            and machine.Get_size() == self.topology.size
+            and isinstance(self.sync.ctx.aggregator, MeanAggregator)
+        )
         own_bucket_mb = math.inf if copy_large else self.own_bucket_mb
         groups = assign_buckets(list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb, own_bucket_mb)
         self._copied = {id(p) for _, p in chosen if copy_large and owns_bucket(p, self.own_bucket_mb)}

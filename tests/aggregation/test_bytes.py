@@ -1,5 +1,5 @@
-"""Bytes per step on the benchmark MLP (784-1024-1024-10, float32, the strategy's default buckets: the two large
-weights in own-gradient buckets, the rest in one flat bucket), counted by the traffic counter every aggregator feeds,
+"""Bytes per step on the benchmark MLP (784-1024-1024-10, float32, the strategy's default buckets for compressing
+aggregators, also with shared memory on: the two large weights in own-gradient buckets, the rest in one flat bucket), counted by the traffic counter every aggregator feeds,
 against the dense mean's."""
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ def _step(aggregator) -> tuple[int, list[int], list[int]]:
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
 def test_bytes_per_step_against_the_dense_mean() -> None:
-    mean, sizes, counts = _step(MeanAggregator())
-    assert mean == DENSE and sorted(sizes) == sorted([784 * 1024, 1024 * 1024, 1024 + 1024 + 1024 * 10 + 10])
+    assert _step(MeanAggregator())[0] == DENSE  # its layout depends on shared memory (one bucket when on)
 
-    topk = _step(TopK(density=0.01))[0]
+    topk, sizes, counts = _step(TopK(density=0.01))
+    assert sorted(sizes) == sorted([784 * 1024, 1024 * 1024, 1024 + 1024 + 1024 * 10 + 10])  # as without it
     assert topk == sum(2 * _aligned(4 * math.ceil(0.01 * n)) for n in sizes)
     assert topk <= 0.022 * DENSE
 
