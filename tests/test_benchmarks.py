@@ -50,8 +50,17 @@ def test_collectives_benchmark_times_every_contender(tmp_path: Path) -> None:
 def test_strategy_benchmark_times_every_contender(tmp_path: Path) -> None:
     output = _run("strategy.py", tmp_path)
     payload = json.loads((tmp_path / "strategy.json").read_text())
-    assert set(payload["median_ms_per_step"]) == {"mpi_ad", "ddp", "hand", "hand_cat", "reducer"}
+    assert set(payload["median_ms_per_step"]) == {
+        "mpi_ad",
+        "ddp",
+        "hand",
+        "hand_cat",
+        "reducer",
+        "local",
+        "lightning_local",
+    }
     assert len(payload["rounds"]) == 3 and all(value > 0 for value in payload["median_ms_per_step"].values())
     assert payload["mpi_ad_vs_ddp"] > 0 and payload["mpi_ad_vs_hand"] > 0 and payload["mpi_ad_vs_reducer"] > 0
-    assert "mpi_ad / ddp" in output and "mpi_ad / hand" in output
+    assert "mpi_ad / ddp" in output and "mpi_ad / hand" in output and "lightning_local / ddp" in output
+    assert 0 < payload["lightning_local_vs_ddp"] and 0 < payload["local_vs_hand"]
     assert (tmp_path / "strategy.png").stat().st_size > 10_000

@@ -1,6 +1,6 @@
 """Bytes per step on the benchmark MLP (784-1024-1024-10, float32, the strategy's default buckets for compressing
-aggregators, also with shared memory on: the two large weights in own-gradient buckets, the rest in one flat bucket), counted by the traffic counter every aggregator feeds,
-against the dense mean's."""
+aggregators, also with shared memory on: the two large weights in own-gradient buckets, the rest in one flat
+bucket), counted by the traffic counter every aggregator feeds, against the dense mean's."""
 
 from __future__ import annotations
 
