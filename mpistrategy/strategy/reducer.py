@@ -230,17 +230,20 @@ class GradientReducer:
         self._covered = {id(p) for _, p in chosen}
         retired, old_segment = self.buckets, self._segment
         machine = buffer_ranks()
-        # with every rank on this machine the mean's allreduce runs in shared memory, where a large gradient is
-        # copied in once anyway: it needs no bucket of its own, and fewer buckets mean fewer waits for the other
-        # ranks. A compressing aggregator works per bucket: its layout (and so its result) stays the same.
-        copy_large = (
-            machine is not None
-            and machine.Get_size() == self.topology.size
-            and isinstance(self.sync.ctx.aggregator, MeanAggregator)
-        )
-        own_bucket_mb = math.inf if copy_large else self.own_bucket_mb
+        on_one_machine = machine is not None and machine.Get_size() == self.topology.size
+        # Gradients are reduced in shared memory where the ranks a bucket is reduced over share this machine: all
+        # of them, or a node (the sync modes that sum inside the node). There a large gradient goes
+        # into the window too (copied by its hook: the allreduce would otherwise copy it into staging memory, a
+        # second copy of it). With every rank here and the mean, it also needs no bucket of its own (fewer
+        # buckets, fewer waits for the other ranks); a compressing aggregator works per bucket, so its buckets
+        # stay as they are (one per large gradient) and only move into the window.
+        reduced_here = machine is not None and (on_one_machine or self.sync.sums_in_node)
+        merge_large = on_one_machine and isinstance(self.sync.ctx.aggregator, MeanAggregator)
+        own_bucket_mb = math.inf if merge_large else self.own_bucket_mb
         groups = assign_buckets(list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb, own_bucket_mb)
-        self._copied = {id(p) for _, p in chosen if copy_large and owns_bucket(p, self.own_bucket_mb)}
+        self._copied = {
+            id(p) for _, p in chosen if reduced_here and p.device.type == "cpu" and owns_bucket(p, self.own_bucket_mb)
+        }
         groups = [sorted(group, key=lambda item: id(item[1]) in self._copied) for group in groups]  # copied last
         self._segment, places = self._shared_layout(groups, machine)
         self.buckets = []
@@ -250,7 +253,7 @@ class GradientReducer:
             offsets = [sum(numels[:i]) for i in range(len(numels))]
             first = group[0][1]
             params = [p for _, p in group]
-            own = len(group) == 1 and owns_bucket(first, own_bucket_mb)
+            own = len(group) == 1 and owns_bucket(first, own_bucket_mb) and id(first) not in self._copied
             if places[index] is not None:
                 buffer = self._segment.typed(self._segment.rank, places[index], sum(numels), first.dtype).zero_()
             elif own:  # no buffer of its own: it adopts the gradient autograd stores (a zero stand-in until then)

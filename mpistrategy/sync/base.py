@@ -91,6 +91,9 @@ class SyncMode(ABC):
     #: which ranks hold the same model and optimizer state between steps: ``"world"`` (all ranks), ``"node"``
     #: (the ranks of a node) or ``"rank"`` (each its own); a checkpoint keeps one copy per distinct replica
     replicas: ClassVar[str] = "world"
+    #: whether it sums gradient buckets inside each node (over the node transport) on some steps: then the
+    #: strategy keeps the buckets in shared memory also when the world spans several machines
+    sums_in_node: ClassVar[bool] = False
 
     context: SyncContext | None = None
 

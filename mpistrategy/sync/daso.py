@@ -134,6 +134,7 @@ class DASO(SyncMode):
 
     name = "daso"
     replicas = "rank"
+    sums_in_node = True
     uses_loss = True
 
     def __init__(

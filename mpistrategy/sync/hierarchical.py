@@ -18,6 +18,7 @@ class HierarchicalSync(SyncMode):
     """Every step: node sum, inter-node combination among node leaders, node broadcast."""
 
     name = "hierarchical"
+    sums_in_node = True
 
     def setup(self, context: SyncContext) -> None:
         super().setup(context)

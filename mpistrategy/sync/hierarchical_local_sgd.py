@@ -29,6 +29,7 @@ class HierarchicalLocalSGD(LocalSGD):
 
     name = "hierarchical_local_sgd"
     replicas = "node"
+    sums_in_node = True
     route = "nodes"
 
     def setup(self, context: SyncContext) -> None:
