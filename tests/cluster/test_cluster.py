@@ -62,6 +62,8 @@ def test_two_nodes_of_two_ranks_talk_through_the_shaped_link() -> None:
         assert record["node_sizes"] == [2, 2] and record["virtual"] is False, record
         assert (record["hostname"], record["address"]) == (f"node{node}", f"198.18.0.{10 + node}"), record
         assert record["main_address"] == "node0" and record["allreduce_exact"] is True, record
+        assert record["buckets_in_window"] and record["node_step_in_shared_memory"], record
+        assert record["equals_flat"] is True, record
     payload = ELEMENTS * 4
     for node, delta in enumerate(moved):
         assert delta.sent >= payload and delta.received >= payload, f"node{node} link moved {delta}, < {payload} B"
