@@ -15,12 +15,14 @@ at that size: one message per megabyte costs microseconds of latency.
 
 Shared memory (unless ``MPISTRATEGY_SHM=0``, see :mod:`mpistrategy.comm.shm_allreduce`). The host buckets live in
 one shared segment over the ranks of this machine, so that the node-local allreduce reads every rank's bucket
-where backward wrote it and reduces it in place, with no copy. When every rank of the world is on this machine
-and the aggregator is the mean (compressors work per bucket: their layout stays), large gradients have no bucket
-of their own: their hook copies autograd's fresh gradient into their place in a
-regular bucket, once (the copy the allreduce would otherwise make into its staging area), and they follow the
-optimizer's ``zero_grad`` as before; fewer buckets mean fewer waits for the other ranks. The segment is freed when
-the buckets are rebuilt and by :meth:`GradientReducer.remove`, after the gradients in it are copied out.
+where backward wrote it and reduces it in place, with no copy. Where buckets are summed in shared memory (inside
+the node, for the sync modes that sum there, :attr:`~mpistrategy.sync.base.SyncMode.sums_in_node`; over the world,
+for the mean when every rank is on this machine), large gradients move into the segment too: their hook copies
+autograd's fresh gradient into their bucket once (the copy the allreduce would otherwise make into its staging
+area), and they follow the optimizer's ``zero_grad`` as before. With every rank on this machine and the mean they
+also join the regular buckets (fewer buckets, fewer waits for the other ranks); otherwise the layout stays, as
+compressors, which work per bucket, need. The segment is freed when the buckets are rebuilt and by
+:meth:`GradientReducer.remove`, after the gradients in it are copied out.
 
 Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientReducer.wait`):
 
@@ -231,14 +233,14 @@ class GradientReducer:
         retired, old_segment = self.buckets, self._segment
         machine = buffer_ranks()
         on_one_machine = machine is not None and machine.Get_size() == self.topology.size
-        # Gradients are reduced in shared memory where the ranks a bucket is reduced over share this machine: all
-        # of them, or a node (the sync modes that sum inside the node). There a large gradient goes
-        # into the window too (copied by its hook: the allreduce would otherwise copy it into staging memory, a
-        # second copy of it). With every rank here and the mean, it also needs no bucket of its own (fewer
-        # buckets, fewer waits for the other ranks); a compressing aggregator works per bucket, so its buckets
-        # stay as they are (one per large gradient) and only move into the window.
-        reduced_here = machine is not None and (on_one_machine or self.sync.sums_in_node)
-        merge_large = on_one_machine and isinstance(self.sync.ctx.aggregator, MeanAggregator)
+        mean = isinstance(self.sync.ctx.aggregator, MeanAggregator)
+        # Buckets are summed in shared memory where the ranks they are summed over share this machine: the node,
+        # in the sync modes that sum inside it, or every rank, for the mean (compressors send other messages).
+        # There a large gradient goes into the window too, copied by its hook (the allreduce would otherwise copy
+        # it into staging memory, a second copy of it). With every rank here and the mean, it needs no bucket of
+        # its own either (fewer buckets, fewer waits for the other ranks); elsewhere the buckets stay as they are.
+        reduced_here = machine is not None and (self.sync.sums_in_node or (on_one_machine and mean))
+        merge_large = on_one_machine and mean
         own_bucket_mb = math.inf if merge_large else self.own_bucket_mb
         groups = assign_buckets(list(reversed(chosen)), self.bucket_cap_mb, self.first_bucket_cap_mb, own_bucket_mb)
         self._copied = {
