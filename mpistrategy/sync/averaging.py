@@ -9,10 +9,12 @@ the mean over all ``P`` ranks, ``x_bar = (1/P) sum_r x_r``, by one of two routes
   between nodes: one copy of the state per node), a broadcast inside each node, then ``/ P``.
 
 The inter-node part can be non-blocking (:meth:`ModelAverager.start` returns an :class:`Averaging` whose
-:meth:`Averaging.result` completes it later), split into chunks of ``chunk_elements`` (so that MPI can pipeline
-them) and sent in a ``wire_dtype`` (bfloat16 or float16: two bytes per element, summed pairwise in float32, see
-:mod:`mpistrategy.comm.low_precision`). What a mode does with the mean (replace, or merge with the current
-state) is the mode's business: :meth:`ModelAverager.assign` and :meth:`ModelAverager.merge`.
+:meth:`Averaging.result` completes it later; meanwhile a background thread drives MPI's progress on it, see
+:mod:`mpistrategy.comm.progress`, so that it travels while the training loop computes), split into chunks of
+``chunk_elements`` (so that MPI can pipeline them) and sent in a ``wire_dtype`` (bfloat16 or float16: two bytes
+per element, summed pairwise in float32, see :mod:`mpistrategy.comm.low_precision`). What a mode does with the
+mean (replace, or merge with the current state) is the mode's business: :meth:`ModelAverager.assign` and
+:meth:`ModelAverager.merge`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 from mpistrategy.comm.buffers import mpi_buffer, mpi_op
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.low_precision import HALF_DTYPES, half_buffer, half_sum
+from mpistrategy.comm.progress import Progress, drive
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import INTER_NODE, NODE, TrafficCounter
 
@@ -48,15 +51,22 @@ class Averaging:
     flats: list[torch.Tensor]
     wires: list[torch.Tensor]
     requests: list[MPI.Request] = field(default_factory=list)
+    progress: Progress | None = None  # the thread driving the requests while they are in flight
     done: bool = False
 
     def test(self) -> bool:
         """Whether the inter-node part completed (never blocks; drives MPI progress)."""
-        return self.done or not self.requests or MPI.Request.Testall(self.requests)
+        if self.done or not self.requests:
+            return True
+        if self.progress is not None:
+            return self.progress.completed
+        return MPI.Request.Testall(self.requests)
 
     def result(self) -> list[torch.Tensor]:
         """Complete the average (waits for the inter-node part; broadcasts inside the node) and return the means."""
         if not self.done:
+            if self.progress is not None:
+                self.progress.stop()
             self.averager._complete(self)
             self.done = True
         return self.flats
@@ -143,7 +153,7 @@ class ModelAverager:
                 self.traffic.add(INTER_NODE if spans_nodes else NODE, wire.nbytes)
                 if comm.size > 1:
                     requests += self._post(comm, wire)
-        return Averaging(self, flats, wires, requests)
+        return Averaging(self, flats, wires, requests, drive(requests))
 
     def _post(self, comm: Communicator, wire: torch.Tensor) -> list[MPI.Request]:
         requests = []
