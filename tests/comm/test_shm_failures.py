@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_a_dead_peer_makes_the_waiting_rank_raise() -> None:
+def test_a_dead_peer_makes_the_waiting_rank_raise(tmp_path: Path) -> None:
     launcher = mpiexec_command()
     help_text = subprocess.run([*launcher, "--help"], capture_output=True, text=True).stdout
     if "-disable-auto-cleanup" not in help_text:
@@ -30,12 +30,21 @@ def test_a_dead_peer_makes_the_waiting_rank_raise() -> None:
     env = clean_environ()
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
     command = [*launcher, "-disable-auto-cleanup", "-n", "2", sys.executable, str(SCRIPT)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=STARTUP)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"rank 0 kept waiting for the dead rank:\n{expired.stdout}")
-    output = done.stdout + done.stderr
-    assert "RAISED after" in output, output[-3000:]
+    # On a loaded machine the launcher sometimes ends rank 0 itself once rank 1 is killed (the job ends, as it
+    # must, but rank 0 never gets to raise): try again, up to five times, until rank 0 lives to report.
+    for attempt in range(5):
+        report = tmp_path / f"report{attempt}.txt"  # not through the launcher's output forwarding
+        env["DEAD_PEER_REPORT"] = str(report)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=STARTUP)
+        except subprocess.TimeoutExpired as expired:
+            pytest.fail(f"rank 0 kept waiting for the dead rank:\n{expired.stdout}")
+        assert done.returncode != 0, "the job ended successfully although rank 1 was killed"
+        if report.exists():
+            break
+    output = report.read_text() if report.exists() else ""
+    launched = (done.stdout + done.stderr)[-3000:]
+    assert "RAISED after" in output, f"rank 0 wrote {output!r}; the launcher printed:\n{launched}"
     seconds = float(output.split("RAISED after ")[1].split(" s:")[0])
     assert seconds < 10.0, f"rank 0 noticed the dead rank after {seconds} s"
-    assert "world rank(s) 1 has ended" in output, output[-3000:]
+    assert "world rank(s) 1 has ended" in output, output

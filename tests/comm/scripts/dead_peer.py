@@ -1,7 +1,8 @@
 """Rank 1 is killed while rank 0 waits for it in a shared-memory allreduce. Rank 0 must raise, not wait forever.
 
 Run by tests/comm/test_shm_failures.py under ``mpiexec -disable-auto-cleanup`` (the launcher leaves rank 0 alone
-when rank 1 dies, so only the library's own check can end it). Prints ``RAISED after <s> s: <error>`` and exits 3.
+when rank 1 dies, so only the library's own check can end it). Writes ``RAISED after <s> s: <error>`` (or
+``NOT RAISED``) to the file ``$DEAD_PEER_REPORT`` and exits 3.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ started = time.monotonic()
 try:
     ms.allreduce(tensor)
 except ms.CommunicationError as error:
-    print(f"RAISED after {time.monotonic() - started:.1f} s: {error}", flush=True)
+    with open(os.environ["DEAD_PEER_REPORT"], "w") as report:
+        report.write(f"RAISED after {time.monotonic() - started:.1f} s: {error}")
     os._exit(3)
-print("NOT RAISED", flush=True)
+with open(os.environ["DEAD_PEER_REPORT"], "w") as report:
+    report.write("NOT RAISED")
