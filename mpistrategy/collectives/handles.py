@@ -41,6 +41,25 @@ class Pending:
         return not self.requests or MPI.Request.Testall(self.requests)
 
 
+class Then:
+    """A result in flight (a :class:`Pending`, or the shared-memory allreduce's work), passed through ``then`` once
+    complete; the interface of :class:`Pending`."""
+
+    __slots__ = ("pending", "then")
+
+    def __init__(self, pending: Any, then: Callable[[Any], Any]) -> None:
+        self.pending = pending
+        self.then = then
+
+    def wait(self) -> Any:
+        """Block until the result is complete; return ``then(result)``."""
+        return self.then(self.pending.wait())
+
+    def test(self) -> bool:
+        """Whether the result is complete (never blocks)."""
+        return self.pending.test()
+
+
 class Link:
     """The state shared by one op's Start and Finish nodes."""
 
@@ -49,7 +68,7 @@ class Link:
     def __init__(
         self,
         start_forward: Callable[[torch.Tensor], Pending],
-        start_backward: Callable[[torch.Tensor], Pending],
+        start_backward: Callable[[torch.Tensor], Pending | Then],
     ) -> None:
         self.start_forward = start_forward
         self.start_backward = start_backward

@@ -33,7 +33,7 @@ from mpi4py import MPI
 from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
 from mpistrategy.collectives._product import start_exclusive_product, times_others
-from mpistrategy.collectives.handles import Handle, Link, Pending
+from mpistrategy.collectives.handles import Handle, Link, Pending, Then
 from mpistrategy.collectives.placeholder import Placeholder
 from mpistrategy.comm.buffers import (
     LOGICAL_OPS,
@@ -279,9 +279,9 @@ class _NonBlockingProduct:
 
         return Pending([*scans.requests, *product.requests], finish, keepalive=(scans, product))
 
-    def start_backward(self, grad: torch.Tensor) -> Pending:
-        total = _start_allreduce(grad, "sum", self.comm.backward, self.comm.size)
-        return Pending(total.requests, lambda: times_others(total.finish(), self.others), keepalive=(total,))
+    def start_backward(self, grad: torch.Tensor) -> Then:
+        total = _start_allreduce(grad, "sum", self.comm.backward, self.comm.size)  # through shared memory maybe
+        return Then(total, lambda summed: times_others(summed, self.others))
 
 
 def _broadcast_from(

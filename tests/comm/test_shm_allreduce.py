@@ -212,3 +212,16 @@ def test_gradient_buckets_are_shared_memory_and_teardown_frees_it() -> None:
         assert shm_window.locate(param.grad) is None
         torch.testing.assert_close(param.grad, expected.grad, rtol=1e-10, atol=1e-12)
     assert math.isfinite(float(ms.allreduce(torch.ones(3)).sum()))  # the released groups are rebuilt on demand
+
+
+def test_non_blocking_prod_backward_sums_the_cotangents_through_shared_memory() -> None:
+    """iallreduce prod's backward allreduces the cotangents with sum, which goes through shared memory: rank r's
+    gradient is (sum_s g_s) * prod_{s != r} x_s (a regression: its backward once expected MPI requests)."""
+    x = per_rank(1003, torch.float64, seed=5).requires_grad_()
+    g = per_rank(1003, torch.float64, seed=6)
+    started = shm_operations()
+    ms.iallreduce(x, "prod").wait().backward(g)
+    inputs, cotangents = gather_reference(x), gather_reference(g)
+    others = torch.stack([t for r, t in enumerate(inputs) if r != rank()]).prod(0) if size() > 1 else torch.ones(1003)
+    torch.testing.assert_close(x.grad, torch.stack(cotangents).sum(0) * others, rtol=1e-12, atol=1e-12)
+    assert built_group(ms.world().backward) is not None and shm_operations() == started
