@@ -56,7 +56,7 @@ from mpistrategy.comm.buffers import (
 from mpistrategy.comm.checks import check_dim, check_rank, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.pool import receive_pool
-from mpistrategy.comm.shm_allreduce import agreement, group_for, wanted
+from mpistrategy.comm.shm_allreduce import SharedWork, agreement, group_for, wanted
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 
@@ -113,7 +113,7 @@ def _allreduce(
 
 def _start_allreduce(
     tensor: torch.Tensor, op: str, channel: MPI.Intracomm, size: int, out: torch.Tensor | None = None
-) -> Pending:
+) -> Pending | SharedWork:
     """Non-blocking :func:`_allreduce`: ``MPI_Iallreduce`` posted (or the shared-memory allreduce started), and
     what completes it."""
     group = group_for(channel, tensor, op)
