@@ -6,7 +6,16 @@ the mean over all ``P`` ranks, ``x_bar = (1/P) sum_r x_r``, by one of two routes
 
 - ``"world"``: one allreduce (sum) over all ranks, then ``/ P``;
 - ``"nodes"``: a sum inside each node (shared memory), an allreduce among the node leaders (the only traffic
-  between nodes: one copy of the state per node), a broadcast inside each node, then ``/ P``.
+  between nodes: one copy of the state per node), then ``/ P`` on the leader, which the other ranks of its node
+  read.
+
+On the ``"nodes"`` route with several ranks per node (and shared memory not switched off, see
+:mod:`mpistrategy.comm.shm_allreduce`), the flat buffers live in the node's shared memory
+(:class:`~mpistrategy.comm.shared_flats.SharedFlats`, two sets used in turn): the node sum is the shared-memory
+allreduce, in place, and the other ranks read the leader's mean where it is instead of receiving a broadcast. A
+mean returned by :meth:`Averaging.result` off the leader is therefore the leader's memory: valid until the
+average after the next one starts (a third average in flight at once is refused). Otherwise the node steps are
+MPI's allreduce and broadcast on private buffers.
 
 The inter-node part can be non-blocking (:meth:`ModelAverager.start` returns an :class:`Averaging` whose
 :meth:`Averaging.result` completes it later; meanwhile a background thread drives MPI's progress on it, see
@@ -30,6 +39,8 @@ from mpistrategy.comm.buffers import mpi_buffer, mpi_op
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.low_precision import HALF_DTYPES, half_buffer, half_sum
 from mpistrategy.comm.progress import Progress, drive
+from mpistrategy.comm.shared_flats import SharedFlats
+from mpistrategy.comm.shm_allreduce import group_for, release, shared_memory_mode
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import INTER_NODE, NODE, TrafficCounter
 
@@ -52,6 +63,7 @@ class Averaging:
     wires: list[torch.Tensor]
     requests: list[MPI.Request] = field(default_factory=list)
     progress: Progress | None = None  # the thread driving the requests while they are in flight
+    shared_set: int | None = None  # the set of the node's shared flats it uses (None: private flats)
     done: bool = False
 
     def test(self) -> bool:
@@ -113,6 +125,10 @@ class ModelAverager:
             self.world = None
             self.node = Communicator(topology.node_comm.Dup())
             self.leaders = Communicator(topology.leader_comm.Dup()) if topology.is_leader else None
+        self._shared: SharedFlats | None = None  # built by the first average that uses it
+        self._started = 0  # averages started
+        self._in_flight: list[Averaging | None] = [None, None]  # the last two (at most two in flight at once)
+        self._wires: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # a shared set's low-precision copies
 
     @property
     def numel(self) -> int:
@@ -126,6 +142,32 @@ class ModelAverager:
             flats.append(torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors]))
         return flats
 
+    def _pack_into(self, flats: list[torch.Tensor]) -> None:
+        for tensors, flat in zip(self._groups.values(), flats, strict=True):
+            torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors], out=flat)
+
+    @property
+    def _shares_node_memory(self) -> bool:
+        return self.route == "nodes" and self.node.size > 1 and shared_memory_mode() != "off"
+
+    def _shared_flats(self, index: int) -> list[torch.Tensor]:
+        """This rank's shared flats of set ``index`` for the next average (collective over the node): once every
+        rank of the node got here, none still reads the leader's mean of the last average that used the set."""
+        if self._shared is None:
+            layout = [(tensors[0].dtype, sum(t.numel() for t in tensors)) for tensors in self._groups.values()]
+            self._shared = SharedFlats(self.node.forward, layout)
+        self.node.forward.Barrier()
+        return self._shared.own(index)
+
+    def _node_sum(self, flat: torch.Tensor) -> None:
+        """``flat`` <- its sum over the node's ranks (the shared-memory allreduce where it applies, else MPI's)."""
+        self.traffic.add(NODE, flat.nbytes)
+        group = group_for(self.node.forward, flat, "sum")
+        if group is not None:
+            group.allreduce(flat, "sum", flat)
+        else:
+            self.node.forward.Allreduce(MPI.IN_PLACE, mpi_buffer(flat), MPI.SUM)
+
     def start(self, wire_dtype: torch.dtype | None = None) -> Averaging:
         """Start averaging the current state: the node sum completes now, the inter-node part is left in flight.
 
@@ -134,31 +176,66 @@ class ModelAverager:
         """
         if wire_dtype is not None and wire_dtype not in HALF_DTYPES:
             raise ValueError(f"ModelAverager: wire_dtype={wire_dtype} must be None, torch.bfloat16 or torch.float16.")
-        flats = self.pack()
+        index = self._started % 2
+        previous = self._in_flight[index]
+        if previous is not None and not previous.done:
+            raise RuntimeError(
+                "ModelAverager: two averages are still in flight; complete one (Averaging.result()) before "
+                "starting a third."
+            )
+        shared_set = index if self._shares_node_memory else None
+        if shared_set is None:
+            flats = self.pack()
+        else:
+            flats = self._shared_flats(shared_set)
+            self._pack_into(flats)
         spans_nodes = self.topology.num_nodes > 1
         if self.route == "nodes":
             for flat in flats:
-                self.traffic.add(NODE, flat.nbytes)
                 if self.node.size > 1:
-                    self.node.forward.Allreduce(MPI.IN_PLACE, mpi_buffer(flat), MPI.SUM)
+                    self._node_sum(flat)
+                else:
+                    self.traffic.add(NODE, flat.nbytes)
             comm = self.leaders
         else:
             comm = self.world
         wires: list[torch.Tensor] = []
         requests: list[MPI.Request] = []
         if comm is not None:
-            for flat in flats:
-                wire = flat if wire_dtype is None or flat.dtype == wire_dtype else flat.to(wire_dtype)
+            for position, flat in enumerate(flats):
+                wire = flat
+                if wire_dtype is not None and flat.dtype != wire_dtype:
+                    wire = self._wire_buffer(position, flat.numel(), wire_dtype, shared_set)
                 wires.append(wire)
                 self.traffic.add(INTER_NODE if spans_nodes else NODE, wire.nbytes)
                 if comm.size > 1:
-                    requests += self._post(comm, wire)
-        return Averaging(self, flats, wires, requests, drive(requests))
+                    requests += self._post(comm, flat, wire)
+                elif wire is not flat:
+                    wire.copy_(flat)
+        averaging = Averaging(self, flats, wires, requests, drive(requests), shared_set)
+        self._in_flight[index] = averaging
+        self._started += 1
+        return averaging
 
-    def _post(self, comm: Communicator, wire: torch.Tensor) -> list[MPI.Request]:
+    def _wire_buffer(self, position: int, numel: int, dtype: torch.dtype, shared_set: int | None) -> torch.Tensor:
+        """Where flat ``position`` travels in ``dtype``: kept for the next average on the same shared set (its
+        pages are touched once), else new."""
+        if shared_set is None:
+            return torch.empty(numel, dtype=dtype)
+        key = (shared_set, position, dtype)
+        wire = self._wires.get(key)
+        if wire is None or wire.numel() != numel:
+            wire = self._wires[key] = torch.empty(numel, dtype=dtype)
+        return wire
+
+    def _post(self, comm: Communicator, flat: torch.Tensor, wire: torch.Tensor) -> list[MPI.Request]:
+        """Start the sum of ``wire`` over ``comm`` in chunks; each chunk is converted from ``flat`` (when ``wire``
+        is a lower-precision copy) just before it is sent, so that the first travels while the next converts."""
         requests = []
         for begin in range(0, wire.numel(), self.chunk_elements):
             chunk = wire[begin : begin + self.chunk_elements]
+            if wire is not flat:
+                chunk.copy_(flat[begin : begin + self.chunk_elements])
             if wire.dtype in HALF_DTYPES:
                 requests.append(comm.forward.Iallreduce(MPI.IN_PLACE, half_buffer(chunk), half_sum(wire.dtype)))
             else:
@@ -168,6 +245,15 @@ class ModelAverager:
     def _complete(self, averaging: Averaging) -> None:
         if averaging.requests:
             MPI.Request.Waitall(averaging.requests)
+        scale = 1.0 / self.topology.size
+        if averaging.shared_set is not None:  # the leader scales; the others read its mean in place
+            if self.node.rank == 0:
+                for flat, wire in zip(averaging.flats, averaging.wires, strict=False):
+                    # a 1-element tensor, not a scalar: a bfloat16/float16 wire is multiplied in the flat's dtype
+                    torch.mul(wire, torch.tensor([scale], dtype=flat.dtype), out=flat)
+            self.node.forward.Barrier()
+            averaging.flats = self._shared.of(0, averaging.shared_set)
+            return
         for flat, wire in zip(averaging.flats, averaging.wires, strict=False):  # no wires off the node leaders
             if wire is not flat:
                 flat.copy_(wire)
@@ -175,7 +261,7 @@ class ModelAverager:
             for flat in averaging.flats:
                 self.node.forward.Bcast(mpi_buffer(flat), root=0)
         for flat in averaging.flats:
-            flat.mul_(1.0 / self.topology.size)
+            flat.mul_(scale)
 
     def average(self, wire_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """The mean state over all ranks, blocking."""
@@ -187,10 +273,20 @@ class ModelAverager:
             return
         flats = self.pack()
         for flat in flats:
-            self.traffic.add(NODE, flat.nbytes)
-            self.node.forward.Allreduce(MPI.IN_PLACE, mpi_buffer(flat), MPI.SUM)
+            self._node_sum(flat)
             flat.mul_(1.0 / self.node.size)
         self.assign(flats)
+
+    def close(self) -> None:
+        """Free the node's shared memory (collective over the node; rebuilt if an average follows). Averages in
+        flight must be complete; a mean still referenced keeps its memory until MPI ends."""
+        self._in_flight = [None, None]
+        self._wires = {}
+        if self._shared is not None:
+            self._shared.free()
+            self._shared = None
+        if self.node is not None:
+            release(self.node)
 
     def assign(self, flats: list[torch.Tensor]) -> None:
         """Set the state to ``flats`` (as :meth:`pack` lays it out)."""

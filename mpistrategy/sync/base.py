@@ -128,7 +128,8 @@ class SyncMode(ABC):
         """After the last step of an epoch (collective)."""
 
     def finish(self) -> None:  # noqa: B027 - optional hook
-        """Complete every operation in flight (end of training)."""
+        """Complete every operation in flight and free what the mode holds in shared memory (end of training;
+        collective)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The mode's state for a checkpoint (collective: every rank calls it; rank 0's result is stored)."""

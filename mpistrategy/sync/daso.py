@@ -341,13 +341,14 @@ class DASO(SyncMode):
 
     def finish(self) -> None:
         self._drop_pending()
+        self.averager.close()
 
     # ---------------------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         """The state, with a send in flight completed: its mean (the same on every rank) is stored."""
         state = asdict(self.state)
-        state["pending_mean"] = self._pending.result() if self._pending is not None else None
+        state["pending_mean"] = [t.clone() for t in self._pending.result()] if self._pending is not None else None
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -70,6 +70,9 @@ class LocalSGD(SyncMode):
             self.averager.assign(self.averager.average())
         self.step += 1
 
+    def finish(self) -> None:
+        self.averager.close()
+
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step}
 

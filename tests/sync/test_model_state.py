@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from mpistrategy.comm.shm_allreduce import shared_memory
 from mpistrategy.comm.topology import topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
@@ -63,6 +64,59 @@ def test_the_average_covers_parameters_and_batchnorm_statistics(route: str) -> N
     averager.assign(averager.average())
     torch.testing.assert_close(_state(module), expected, rtol=1e-6, atol=1e-6)
     assert_same_on_all_ranks(_state(module), "averaged state")
+
+
+def _randomized(module: nn.Module, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), module[1].running_mean, module[1].running_var]:
+            tensor.copy_(torch.rand_like(tensor) + 0.5)
+
+
+@pytest.mark.mpi(ranks=(3, 4), timeout=240)
+def test_node_route_in_shared_memory_equals_mpi_and_keeps_two_averages_in_flight() -> None:
+    """The ``"nodes"`` route with its buffers in the node's shared memory (the mean read in place off the leader)
+    gives MPI's result (node sum and broadcast over MPI) in float32 and bfloat16 on the wire; two averages may be
+    in flight, a third is refused on every rank; after ``close()`` the memory is free and averaging works again.
+    3 ranks are a node of 2 and a node of 1."""
+    nodes = topology(ranks_per_node=2)
+    module = _model()
+    results = {}
+    for mode in ("off", "on"):
+        with shared_memory(mode):
+            averager = ModelAverager(module, nodes, TrafficCounter(), "nodes")
+            for wire in (None, torch.bfloat16):
+                _randomized(module, 10 + RANK)
+                results[mode, wire] = _state_of(averager.average(wire))
+            averager.close()
+    expected = sum(COMM.allgather(_state(module).clone())) / SIZE
+    for wire in (None, torch.bfloat16):
+        assert torch.equal(results["on", wire], results["off", wire]), f"wire {wire}: shared memory differs from MPI"
+        assert_same_on_all_ranks(results["on", wire], f"mean with wire {wire}")
+    torch.testing.assert_close(results["on", None], expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results["on", torch.bfloat16], expected, rtol=1e-2, atol=1e-2)
+
+    averager = ModelAverager(module, nodes, TrafficCounter(), "nodes")
+    _randomized(module, 20 + RANK)
+    first_expected = sum(COMM.allgather(_state(module).clone())) / SIZE
+    first = averager.start()
+    _randomized(module, 30 + RANK)
+    second_expected = sum(COMM.allgather(_state(module).clone())) / SIZE
+    second = averager.start()
+    with pytest.raises(RuntimeError, match="two averages are still in flight"):
+        averager.start()
+    torch.testing.assert_close(_state_of(first.result()), first_expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_state_of(second.result()), second_expected, rtol=1e-6, atol=1e-6)
+    first = second = None
+    averager.close()
+    assert averager._shared is None, "close() kept the shared memory"
+    averager.assign(averager.average())
+    torch.testing.assert_close(_state(module), second_expected.float().double(), rtol=1e-6, atol=1e-6)
+    averager.close()
+
+
+def _state_of(flats: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([flat.double() for flat in flats])
 
 
 MODES = {
