@@ -80,6 +80,9 @@ _STAGING_ALIGN = 4096
 #: every rank sums the whole message when it reads at most this many bytes of the others' inputs
 EVERYONE_SUMS_BYTES = 256 << 10
 _STAGING_DEPTH = 2  # staging space of the previous operation is never reused: the segment grows instead
+_KIND = {0: "non-blocking", 1: "blocking"}
+_REMEMBERED_SCRATCH_VIEWS = 64
+_REMEMBERED_PLACES = 64
 
 
 # ------------------------------------------------------------------------------------------------------- settings
@@ -272,8 +275,9 @@ class _Operation:
     complete = False
     target: torch.Tensor | None = None  # the result tensor (None: out, reduced where it is)
 
-    def __init__(self, tensor: torch.Tensor, out: torch.Tensor | None, average: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, out: torch.Tensor | None, average: bool, synchronous: bool) -> None:
         self.dtype, self.device, self.out, self.average = tensor.dtype, tensor.device, out, average
+        self.synchronous = synchronous  # blocking: completed in the call, with barriers (see _Group.allreduce)
 
     def result(self) -> torch.Tensor:
         """The allreduce's result, once complete: ``out`` or a new tensor, in the input's dtype and device."""
@@ -355,6 +359,9 @@ class _Group:
         self.lock = threading.RLock()
         self._covers: dict[int, bool] = {}
         self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._scratch_views: dict[tuple[str, torch.dtype, int, int], torch.Tensor] = {}
+        self._done_by_all = 0  # every rank has published DONE of every operation up to this one
+        self._located: dict[tuple[int, int], tuple[Segment, int] | None] = {}  # see _locate
 
     # ------------------------------------------------------------------------------------------------- check
 
@@ -419,44 +426,113 @@ class _Group:
 
     # ------------------------------------------------------------------------------------------------- start
 
-    def start(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None, blocking: bool = False) -> SharedWork:
-        """Start an allreduce of ``tensor`` (``op`` sum or avg) into ``out`` (or a new tensor). A check offered
-        for it (:meth:`offer`) is compared once the input is copied in, before returning."""
+    def start(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None) -> SharedWork:
+        """Start an allreduce of ``tensor`` (``op`` sum or avg) into ``out`` (or a new tensor), completed by the
+        returned work's ``wait``. A check offered for it (:meth:`offer`) is compared once the input is copied in,
+        before returning."""
         with self.lock:
-            operation = None
-            try:
-                operation = self._begin(tensor, op, out)
-                if operation.chunks:
-                    self._publish_input(operation, tensor, blocking)
-                    _active.add(self)
-                self._settle()
-            except _Disagreement as failure:
-                self._resync(operation)
-                failure.report()
-                raise AssertionError("a failed argument check did not raise") from None
-            operation.verified = True
+            operation = self._open(tensor, op, out, synchronous=False)
             if operation.chunks:
                 self.advance()
             self.flags.poke()
             return SharedWork(self, operation)
 
     def allreduce(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None) -> torch.Tensor:
-        """Blocking :meth:`start`: the result."""
-        return self.start(tensor, op, out, blocking=True).wait()
+        """Blocking allreduce of ``tensor`` (``op`` sum or avg) into ``out`` (or a new tensor): the result.
 
-    def _begin(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None) -> _Operation:
+        The same plan and sums as :meth:`start`, in one straight pass with a single wait per step for all ranks
+        (no per-chunk progress bookkeeping); every rank must call this one, or every rank :meth:`start`, for an
+        operation (it is part of what the ranks describe to each other)."""
+        with self.lock:
+            if self.flight:  # earlier operations complete first, through the flags
+                self._wait_until(lambda: not self.flight)
+            operation = self._open(tensor, op, out, synchronous=True)
+            if operation.chunks:
+                self._run(operation)
+            self.flags.poke()
+            operation.complete = True
+            result = operation.result()
+            operation.release()
+            return result
+
+    def _open(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None, synchronous: bool) -> _Operation:
+        """Begin an operation, put its input where the others read it and compare its argument check (on a
+        disagreement, resynchronise the group and raise the check's error on every rank)."""
+        operation = None
+        try:
+            operation = self._begin(tensor, op, out, synchronous)
+            if operation.chunks:
+                self._publish_input(operation, tensor, synchronous)
+                if not synchronous:
+                    _active.add(self)
+            self._settle()
+        except _Disagreement as failure:
+            self._resync(operation)
+            failure.report()
+            raise AssertionError("a failed argument check did not raise") from None
+        operation.verified = True
+        return operation
+
+    def _run(self, operation: _Operation) -> None:
+        """Complete a blocking operation in one pass: wait for every input, sum this rank's share, wait for every
+        rank's sums (or, for a write-back, for every rank to have read the inputs), write back or copy the others'
+        sums, and wait for the others to finish where they still read this rank's tensor."""
+        flags, base, chunks = self.flags, operation.base, operation.chunks
+        if not flags.all_reached(ARRIVED, base + chunks):
+            self._wait_until(lambda: flags.all_reached(ARRIVED, base + chunks))
+        self._resolve(operation)
+        stride = self.size if operation.owners else 1
+        destination = operation.result_chunks if operation.owners else operation.target_chunks
+        for chunk in range(operation.to_reduce, chunks, stride):
+            if operation.write_back:
+                self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),), 0)
+            else:
+                self._sum_chunk(operation, chunk, destination, chunk)
+        if operation.owners or operation.write_back:
+            self._meet(REDUCED, base + chunks)  # every rank's sums are written, every input read
+        else:
+            flags.store(REDUCED, base + chunks)
+        if operation.write_back:  # one chunk: every rank sums at most EVERYONE_SUMS_BYTES
+            destination[0].copy_(self._write_back_scratch(destination[0]))
+        elif operation.owners:
+            self._copy_sums(operation)
+        if operation.await_done:
+            self._meet(DONE, operation.seq)  # no peer reads this rank's tensor any more
+        else:
+            flags.publish(DONE, operation.seq)
+
+    def _copy_sums(self, operation: _Operation) -> None:
+        """Owners: copy every chunk's sum from its owner into this rank's result."""
+        size, rank = self.size, self.rank
+        for chunk in range(operation.chunks):
+            owner = chunk % size
+            if owner != rank:
+                operation.target_chunks[chunk].copy_(operation.results[owner][chunk])
+            elif not operation.skip_own:
+                operation.target_chunks[chunk].copy_(operation.result_chunks[chunk])
+
+    def _meet(self, counter: int, value: int) -> None:
+        """Publish this rank's ``counter`` at ``value`` and wait until every rank's has reached it (then what every
+        rank wrote before publishing is visible here)."""
+        flags = self.flags
+        flags.publish(counter, value)
+        if not flags.all_reached(counter, value):
+            self._wait_until(lambda: flags.all_reached(counter, value))
+        flags.acquire()
+
+    def _begin(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None, synchronous: bool) -> _Operation:
         """Number the operation, choose its plan, find (or reserve) where its input and result live, and describe
-        it to the other ranks."""
+        it to the other ranks (with whether it is blocking: the ranks must agree, as they meet in barriers)."""
         numel, dtype = tensor.numel(), tensor.dtype
-        operation = _Operation(tensor, out, op == "avg")
+        operation = _Operation(tensor, out, op == "avg", synchronous)
         if not numel:  # nothing to exchange: every rank knows (the shapes agree)
             operation.target = receive_buffer(out, tuple(tensor.shape), dtype, tensor.device)
             operation.complete = True
             return operation
         self.seq += 1
         seq = self.seq
-        if seq > RING and not self.flags.all_reached(DONE, seq - RING):  # its descriptor slot's last user
-            self._wait_until(lambda: self.flags.all_reached(DONE, seq - RING))
+        if seq > RING and not self._all_done(seq - RING):  # its descriptor slot's last user
+            self._wait_until(lambda: self._all_done(seq - RING))
         nbytes = numel * dtype.itemsize
         owners = not everyone_sums(nbytes, self.size)
         step = _chunk_elements(numel, dtype, self.size, owners)
@@ -468,9 +544,9 @@ class _Group:
         staging_offset, staging_busy_until = self._reserve(seq, nbytes)
         staging = self.staging
         staged_at = (staging.id, staging_offset)
-        where = locate(tensor)
+        where = self._locate(tensor) if tensor.is_cpu else None
         in_window = where is not None and self._covered_by(where[0])
-        in_place = out is not None and same_memory(out, tensor)
+        in_place = out is tensor or (out is not None and same_memory(out, tensor))
         if in_window:
             segment, offset = where
             source_at = (segment.id, offset)
@@ -485,7 +561,7 @@ class _Group:
             result_at = source_at
             operation.result_chunks = operation.target_chunks = operation.source_chunks
             operation.skip_own = operation.await_done = True
-        elif in_window and in_place:  # each sum is written back once every rank has read the chunk
+        elif in_window and in_place and self.size > 1:  # each sum is written back once every rank read the chunk
             operation.target_chunks = operation.source_chunks
             operation.write_back = True
         else:
@@ -496,17 +572,44 @@ class _Group:
                 result_at, operation.result_chunks = source_at, operation.source_chunks
             operation.target = receive_buffer(out, tuple(tensor.shape), dtype, tensor.device)
             operation.target_chunks = _split(operation.target.view(-1), step)
-        busy = staging_busy_until and not self.flags.all_reached(DONE, staging_busy_until)
+            # every rank sums from this rank's tensor: it must stay as it is until all are done
+            operation.await_done = in_window and not owners and self.size > 1
+        busy = staging_busy_until and not self._all_done(staging_busy_until)
         if busy and (operation.copy_in or result_at == staged_at):
-            self._wait_until(lambda: self.flags.all_reached(DONE, staging_busy_until))
-        self.flags.describe(seq, (seq, numel, DTYPE_CODES.index(dtype), *source_at, *result_at))
+            self._wait_until(lambda: self._all_done(staging_busy_until))
+        code = DTYPE_CODES.index(dtype)
+        self.flags.describe(seq, (seq, numel, code, *source_at, *result_at, int(synchronous)))
         return operation
 
-    def _publish_input(self, operation: _Operation, tensor: torch.Tensor, blocking: bool) -> None:
-        """Copy ``tensor`` into staging unless it is in shared memory already, announcing every chunk. When each
+    def _all_done(self, seq: int) -> bool:
+        """Whether every rank has completed operation ``seq`` (``DONE``; remembered, and asked for the latest
+        operation, so that most calls look at no flag)."""
+        if seq - self._done_by_all <= 0:
+            return True
+        if self.flags.all_reached(DONE, self.seq - 1):
+            self._done_by_all = self.seq - 1
+        elif self.flags.all_reached(DONE, seq):
+            self._done_by_all = seq
+        return seq - self._done_by_all <= 0
+
+    def _locate(self, tensor: torch.Tensor) -> tuple[Segment, int] | None:
+        """:func:`~mpistrategy.comm.shm_window.locate`, remembered by address and size while the segment found
+        is still allocated (operations repeat on the same buffers)."""
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        where = self._located.get(key, False)
+        if where is False or (where is not None and find(where[0].id) is not where[0]):
+            if len(self._located) >= _REMEMBERED_PLACES:
+                self._located.clear()
+            where = self._located[key] = locate(tensor) if tensor.is_contiguous() else None
+        return where
+
+    def _publish_input(self, operation: _Operation, tensor: torch.Tensor, synchronous: bool) -> None:
+        """Copy ``tensor`` into staging unless it is in shared memory already, announcing every chunk (a
+        non-blocking operation, whose chunks are summed as they arrive) or all at once (a blocking one). When each
         chunk is summed by its owner, only the chunks other ranks sum are copied from a host tensor: this rank sums
         its own chunks from the tensor itself."""
-        self.flight.append(operation)
+        if not synchronous:
+            self.flight.append(operation)
         if not operation.copy_in:
             self.flags.publish(ARRIVED, operation.base + operation.chunks)
             return
@@ -520,10 +623,9 @@ class _Group:
             if chunk % size == skip:
                 continue
             staged.copy_(own)
-            self.flags.publish(ARRIVED, base + chunk + 1)
-            if blocking:
-                self.advance()
-        if skip == (operation.chunks - 1) % size:  # the last chunk is this rank's: it was not announced
+            if not synchronous:
+                self.flags.publish(ARRIVED, base + chunk + 1)
+        if synchronous or skip == (operation.chunks - 1) % size:  # the last chunk was not announced
             self.flags.publish(ARRIVED, base + operation.chunks)
 
     def _covered_by(self, segment: Segment) -> bool:
@@ -672,7 +774,7 @@ class _Group:
                 inputs.append(operation.own_chunks)
                 results.append(operation.result_chunks)
                 continue
-            seq, count, code, input_id, input_offset, result_id, result_offset, _ = self.flags.descriptor(
+            seq, count, code, input_id, input_offset, result_id, result_offset, synchronous = self.flags.descriptor(
                 rank, operation.seq
             )
             if (seq, count, code) != (operation.seq, numel, DTYPE_CODES.index(dtype)):
@@ -681,6 +783,12 @@ class _Group:
                     f"of {DTYPE_CODES[code] if 0 <= code < len(DTYPE_CODES) else code}, this rank at operation "
                     f"{operation.seq} with {numel} of {dtype}; every rank must call allreduce with the same shape "
                     "and dtype, in the same order."
+                )
+            if synchronous != operation.synchronous:
+                raise CommunicationError(
+                    f"shared-memory allreduce: rank {rank} of the node called the {_KIND[synchronous]} allreduce "
+                    f"where this rank called the {_KIND[operation.synchronous]} one (operation {seq}); every rank "
+                    "must call allreduce, or every rank iallreduce, in the same order."
                 )
             inputs.append(self._chunks(input_id, rank, input_offset, numel, dtype, step))
             if operation.owners:
@@ -738,12 +846,22 @@ class _Group:
             out.mul_(scale)
 
     def _scratch_of(self, dtype: torch.dtype, count: int, numel: int, use: str = "sum") -> torch.Tensor:
-        """``count`` rows of ``numel`` elements of private scratch memory for ``use`` (kept: chunks repeat)."""
+        """``count`` rows of ``numel`` elements of private scratch memory for ``use`` (kept, and so are the views
+        of it handed out: chunks repeat)."""
+        key = (use, dtype, count, numel)
+        view = self._scratch_views.get(key)
+        if view is not None:
+            return view
         scratch = self._scratch.get((use, dtype))
         if scratch is None or scratch.shape[0] < count or scratch.shape[1] < numel:
-            rows = torch.empty(count, max(numel, CHUNK_BYTES // dtype.itemsize), dtype=dtype)
-            scratch = self._scratch[use, dtype] = rows
-        return scratch[:count, :numel]
+            scratch = self._scratch[use, dtype] = torch.empty(
+                count, max(numel, CHUNK_BYTES // dtype.itemsize), dtype=dtype
+            )
+            self._scratch_views = {k: v for k, v in self._scratch_views.items() if k[:2] != (use, dtype)}
+        if len(self._scratch_views) >= _REMEMBERED_SCRATCH_VIEWS:
+            self._scratch_views.clear()
+        view = self._scratch_views[key] = scratch[:count, :numel]
+        return view
 
     # ----------------------------------------------------------------------------------------------- waiting
 
@@ -782,6 +900,7 @@ class _Group:
                 self.staging = None
             self.flags.close()
             self._scratch.clear()
+            self._scratch_views.clear()
         self.comm.Free()
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import struct
 import sys
 import time
-from array import array
 from collections.abc import Callable
 
 from mpi4py import MPI
@@ -44,6 +44,7 @@ _DESCRIPTOR_BYTES = 512
 RING = 64
 #: int64 fields of one descriptor
 DESCRIPTOR_FIELDS = 8
+_DESCRIPTOR = struct.Struct(f"={DESCRIPTOR_FIELDS}q")
 _BLOCK_BYTES = _DESCRIPTOR_BYTES + RING * DESCRIPTOR_FIELDS * 8
 
 _MASK = 0xFFFFFFFF
@@ -117,7 +118,7 @@ class Flags:
         arrays = [segment.part(r).numpy() for r in range(self.size)]
         self._words = [memoryview(a).cast("I") for a in arrays]
         self._longs = [memoryview(a[_LONGS_BYTE:_DESCRIPTOR_BYTES]).cast("q") for a in arrays]
-        self._descriptors = [memoryview(a[_DESCRIPTOR_BYTES:]).cast("q") for a in arrays]
+        self._descriptors = [memoryview(a[_DESCRIPTOR_BYTES:]) for a in arrays]
         self._bells = [segment.part(r).data_ptr() + 4 * _BELL for r in range(self.size)]
         self._mine = self._words[self.rank]
         self._peers = [r for r in range(self.size) if r != self.rank]
@@ -150,6 +151,11 @@ class Flags:
             if self._words[peer][_SLEEPING]:
                 self._ring(peer)
 
+    def store(self, counter: int, value: int) -> None:
+        """Set this rank's ``counter`` to ``value`` with no fence and no wake-up: for a value no rank waits for,
+        which keeps the counter close to those that will be waited for (they are compared modulo 2**32)."""
+        self._mine[counter] = value & _MASK
+
     def acquire(self) -> None:
         """A fence after seeing a counter move: what its rank wrote before publishing it is visible now."""
         self._fence()
@@ -181,14 +187,13 @@ class Flags:
     # ---------------------------------------------------------------------------------------------- descriptors
 
     def describe(self, slot: int, fields: tuple[int, ...]) -> None:
-        """Write this rank's descriptor ``slot`` (visible to a peer once it sees a counter published after)."""
-        start = (slot % RING) * DESCRIPTOR_FIELDS
-        self._descriptors[self.rank][start : start + len(fields)] = array("q", fields)
+        """Write this rank's descriptor ``slot``, :data:`DESCRIPTOR_FIELDS` int64 (visible to a peer once it sees
+        a counter published after)."""
+        _DESCRIPTOR.pack_into(self._descriptors[self.rank], (slot % RING) * _DESCRIPTOR.size, *fields)
 
     def descriptor(self, rank: int, slot: int) -> tuple[int, ...]:
         """Rank ``rank``'s descriptor ``slot``."""
-        start = (slot % RING) * DESCRIPTOR_FIELDS
-        return tuple(self._descriptors[rank][start : start + DESCRIPTOR_FIELDS])
+        return _DESCRIPTOR.unpack_from(self._descriptors[rank], (slot % RING) * _DESCRIPTOR.size)
 
     # ------------------------------------------------------------------------------------------------- sleeping
 
