@@ -17,14 +17,18 @@ follows the same one:
   place keeps each summed chunk in scratch until every rank has read that chunk (``REDUCED``), then writes it.
 
 Every sum is taken in rank order, ``((x_0 + x_1) + x_2) + ...`` (float16 and bfloat16 in float32, rounded once),
-then multiplied by 1/P for avg: the result is bitwise identical on every rank and in every run. The chunks make a
-pipeline: a rank sums chunk c while the others still copy in chunk c + 1, and a summed chunk is still in the shared
-cache when the others copy it. With ranks that share a machine, MPI's own allreduce copies every element through
-its queues several times.
+then multiplied by 1/P for avg: the result is bitwise identical on every rank and in every run. The chunks of a
+non-blocking operation make a pipeline: a rank sums chunk c while the others still copy in chunk c + 1, and a
+summed chunk is still in the shared cache when the others copy it. A blocking one (:meth:`_Group.allreduce`) takes
+the same plan in one straight pass, with one wait for all ranks per step instead of per chunk; when every rank
+reduces a tensor in a window in place, each owner writes its sums into every rank's tensor (only a chunk's owner
+reads that chunk anywhere), which saves the wait for the others to finish reading. With ranks that share a
+machine, MPI's own allreduce copies every element through its queues several times.
 
-Waiting (for a peer's chunk, its check or its ``DONE``) spins for a few microseconds, then sleeps in the kernel on
-a futex (see :meth:`~mpistrategy.comm.shm_flags.Flags.wait_until`), driving MPI's progress and the operations of
-the other groups between sleeps; a peer whose process has ended makes the wait raise
+Waiting (for a peer's chunk, its check or its ``DONE``) spins for a few microseconds (yielding the core between
+looks where ranks outnumber cores), then sleeps in the kernel on a futex (see
+:meth:`~mpistrategy.comm.shm_flags.Flags.wait_until`), driving MPI's progress and the operations of the other groups
+between sleeps; a peer whose process has ended makes the wait raise
 :class:`~mpistrategy.comm.errors.CommunicationError` within a second instead of waiting forever. The argument check
 of an allreduce goes through the same flags once a group exists (:func:`agreement`), and is compared only after
 the input is copied in. Operations complete in the order they started on their group; non-blocking operations
@@ -80,7 +84,10 @@ _STAGING_ALIGN = 4096
 #: every rank sums the whole message when it reads at most this many bytes of the others' inputs
 EVERYONE_SUMS_BYTES = 256 << 10
 _STAGING_DEPTH = 2  # staging space of the previous operation is never reused: the segment grows instead
-_KIND = {0: "non-blocking", 1: "blocking"}
+_KIND = {0: "non-blocking", 1: "blocking"}  # by the _SYNCHRONOUS bit
+#: bits of a descriptor's last field: a blocking operation; every sum stays where the rank's input was (owners, in
+#: a window, in place)
+_SYNCHRONOUS, _SUMMED_WHERE_IT_IS = 1, 2
 _REMEMBERED_SCRATCH_VIEWS = 64
 _REMEMBERED_PLACES = 64
 
@@ -264,6 +271,7 @@ class _Operation:
     result_chunks: tuple[torch.Tensor, ...] = ()  # owners: where this rank's sums go (shared memory)
     target_chunks: tuple[torch.Tensor, ...] = ()  # where every summed chunk ends up on this rank
     skip_own = False  # target is result: own chunks are already there
+    push = False  # blocking, and every rank's target is its result: owners write their sums into every target
     in_place = False  # the sums overwrite this rank's own input
     write_back = False  # every rank sums: this rank's sums wait in scratch until every rank has read the chunk
     written = -1  # write_back: the chunk whose sum is in scratch (-1: none)
@@ -277,7 +285,7 @@ class _Operation:
 
     def __init__(self, tensor: torch.Tensor, out: torch.Tensor | None, average: bool, synchronous: bool) -> None:
         self.dtype, self.device, self.out, self.average = tensor.dtype, tensor.device, out, average
-        self.synchronous = synchronous  # blocking: completed in the call, with barriers (see _Group.allreduce)
+        self.synchronous = synchronous  # blocking: completed in one pass (see _Group.allreduce)
 
     def result(self) -> torch.Tensor:
         """The allreduce's result, once complete: ``out`` or a new tensor, in the input's dtype and device."""
@@ -476,7 +484,11 @@ class _Group:
     def _run(self, operation: _Operation) -> None:
         """Complete a blocking operation in one pass: wait for every input, sum this rank's share, wait for every
         rank's sums (or, for a write-back, for every rank to have read the inputs), write back or copy the others'
-        sums, and wait for the others to finish where they still read this rank's tensor."""
+        sums, and wait for the others to finish where they still read this rank's tensor.
+
+        When every rank reduces a tensor in a window in place, each owner writes its sums into every rank's tensor
+        instead (only the owner of a chunk reads that chunk of any rank): then, once every rank's sums are
+        written, each rank's tensor holds the result and nobody reads it any more, one wait fewer."""
         flags, base, chunks = self.flags, operation.base, operation.chunks
         if not flags.all_reached(ARRIVED, base + chunks):
             self._wait_until(lambda: flags.all_reached(ARRIVED, base + chunks))
@@ -486,8 +498,16 @@ class _Group:
         for chunk in range(operation.to_reduce, chunks, stride):
             if operation.write_back:
                 self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),), 0)
-            else:
-                self._sum_chunk(operation, chunk, destination, chunk)
+                continue
+            self._sum_chunk(operation, chunk, destination, chunk)
+            if operation.push:
+                for peer, results in enumerate(operation.results):
+                    if peer != self.rank:
+                        results[chunk].copy_(destination[chunk])
+        if operation.push:
+            self._meet(REDUCED, base + chunks)
+            flags.publish(DONE, operation.seq)
+            return
         if operation.owners or operation.write_back:
             self._meet(REDUCED, base + chunks)  # every rank's sums are written, every input read
         else:
@@ -522,7 +542,8 @@ class _Group:
 
     def _begin(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None, synchronous: bool) -> _Operation:
         """Number the operation, choose its plan, find (or reserve) where its input and result live, and describe
-        it to the other ranks (with whether it is blocking: the ranks must agree, as they meet in barriers)."""
+        it to the other ranks (with whether it is blocking: the ranks must agree, as a blocking operation waits
+        once per step for every rank's whole message, a non-blocking one chunk by chunk)."""
         numel, dtype = tensor.numel(), tensor.dtype
         operation = _Operation(tensor, out, op == "avg", synchronous)
         if not numel:  # nothing to exchange: every rank knows (the shapes agree)
@@ -578,7 +599,8 @@ class _Group:
         if busy and (operation.copy_in or result_at == staged_at):
             self._wait_until(lambda: self._all_done(staging_busy_until))
         code = DTYPE_CODES.index(dtype)
-        self.flags.describe(seq, (seq, numel, code, *source_at, *result_at, int(synchronous)))
+        manner = synchronous * _SYNCHRONOUS | operation.skip_own * _SUMMED_WHERE_IT_IS
+        self.flags.describe(seq, (seq, numel, code, *source_at, *result_at, manner))
         return operation
 
     def _all_done(self, seq: int) -> bool:
@@ -769,14 +791,17 @@ class _Group:
         self.flags.acquire()
         inputs, results = [], []
         dtype, numel, step = operation.dtype, operation.numel, operation.step
+        push = operation.synchronous and operation.skip_own
         for rank in range(self.size):
             if rank == self.rank:
                 inputs.append(operation.own_chunks)
                 results.append(operation.result_chunks)
                 continue
-            seq, count, code, input_id, input_offset, result_id, result_offset, synchronous = self.flags.descriptor(
+            seq, count, code, input_id, input_offset, result_id, result_offset, manner = self.flags.descriptor(
                 rank, operation.seq
             )
+            synchronous = manner & _SYNCHRONOUS
+            push = push and manner & _SUMMED_WHERE_IT_IS
             if (seq, count, code) != (operation.seq, numel, DTYPE_CODES.index(dtype)):
                 raise CommunicationError(
                     f"shared-memory allreduce: rank {rank} of the node is at operation {seq} with {count} elements "
@@ -784,7 +809,8 @@ class _Group:
                     f"{operation.seq} with {numel} of {dtype}; every rank must call allreduce with the same shape "
                     "and dtype, in the same order."
                 )
-            if synchronous != operation.synchronous:
+            if synchronous != operation.synchronous:  # seen alike by both ranks: both drop the operation
+                self._abandon(operation)
                 raise CommunicationError(
                     f"shared-memory allreduce: rank {rank} of the node called the {_KIND[synchronous]} allreduce "
                     f"where this rank called the {_KIND[operation.synchronous]} one (operation {seq}); every rank "
@@ -795,9 +821,18 @@ class _Group:
                 results.append(self._chunks(result_id, rank, result_offset, numel, dtype, step))
         operation.inputs = inputs
         operation.results = results if operation.owners else None
+        operation.push = bool(push)
         destination = operation.result_chunks if operation.owners else operation.target_chunks
         own = operation.own_chunks[0].data_ptr() == destination[0].data_ptr()
         operation.in_place = own and not operation.write_back
+
+    def _abandon(self, operation: _Operation) -> None:
+        """Drop ``operation`` before any rank has read another's data, as done (every rank drops it alike)."""
+        if self.flight and self.flight[0] is operation:
+            self.flight.popleft()
+        if not self.flight:
+            _active.discard(self)
+        self.flags.publish(DONE, operation.seq)
 
     def _chunks(
         self, segment_id: int, rank: int, offset: int, numel: int, dtype: torch.dtype, step: int

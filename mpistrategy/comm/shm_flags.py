@@ -51,6 +51,8 @@ _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 _SPIN_SECONDS = float(os.environ.get("SHM_SPIN", 10e-6))
 _SLEEP_SECONDS = 2e-3
+#: a ``sched_yield`` that took longer gave the core to another process (a context switch and its time slice)
+_HANDOFF_SECONDS = 20e-6
 _LIVENESS_SECONDS = 1.0
 
 _FUTEX_SYSCALLS = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "riscv64": 98}
@@ -107,9 +109,9 @@ class Flags:
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.participants = world_ranks(comm)
-        # spin only where every rank can have a core of its own: else the spinner takes the core of the rank it
-        # waits for
-        self.spin_seconds = _SPIN_SECONDS if self.size <= len(os.sched_getaffinity(0)) else 0.0
+        self.spin_seconds = _SPIN_SECONDS
+        # more ranks than cores: a waiting rank yields its core (to the ranks it waits for) rather than spin
+        self.oversubscribed = self.size > len(os.sched_getaffinity(0))
         self._comm = comm
         self._checked_at = time.monotonic()
         self._segment: Segment | None = allocate(_BLOCK_BYTES, comm)
@@ -230,17 +232,31 @@ class Flags:
         self, done: Callable[[], bool], work: Callable[[], bool] = _idle, between: Callable[[], object] = _idle
     ) -> None:
         """Call ``work()`` (steps that are ready; True if it did any) until ``done()``: when nothing is ready,
-        spin for a few microseconds, then sleep until a peer publishes (or a short timeout), then call
+        spin for :attr:`spin_seconds`, then sleep until a peer publishes (or a short timeout), then call
         ``between()`` and drive MPI's progress. Raises :class:`CommunicationError` when a peer's process has
-        ended (checked every second while asleep), instead of waiting for it forever."""
-        spin_until = time.perf_counter() + self.spin_seconds
+        ended (checked every second while asleep), instead of waiting for it forever.
+
+        With more ranks than cores, spinning yields the core (``sched_yield``) between looks, and only the time
+        of looks whose yield came straight back (no other process wanted the core) counts as spun: the core goes
+        to the ranks waited for, and is burnt for at most :attr:`spin_seconds` when they are not runnable."""
+        spun, start = 0.0, time.perf_counter()
         while not done():
             if work():
-                spin_until = time.perf_counter() + self.spin_seconds
+                spun, start = 0.0, time.perf_counter()
                 continue
-            if time.perf_counter() < spin_until:
+            if spun < self.spin_seconds:
+                if self.oversubscribed:
+                    yielded = time.perf_counter()
+                    os.sched_yield()
+                    now = time.perf_counter()
+                    if now - yielded < _HANDOFF_SECONDS:
+                        spun += now - start
+                    start = now
+                else:
+                    spun = time.perf_counter() - start
                 continue
             self.sleep(lambda: not work() and not done(), _SLEEP_SECONDS)
+            spun, start = 0.0, time.perf_counter()
             between()
             self.poke()
             self._check_peers()

@@ -116,11 +116,17 @@ def test_tensors_in_shared_memory_are_reduced_where_they_are(dtype: torch.dtype)
                 assert ms.iallreduce(window, "avg", out=window).wait() is window
             assert window.data_ptr() == address and torch.equal(window.view(torch.uint8), expected.view(torch.uint8))
             window.copy_(x)
+            assert ms.allreduce(window, "avg", out=window) is window  # blocking: owners write into every window
+            assert window.data_ptr() == address and torch.equal(window.view(torch.uint8), expected.view(torch.uint8))
+            window.copy_(x)
             separate = torch.empty_like(x)
             ms.allreduce(window, "avg", out=separate)
             assert torch.equal(separate.view(torch.uint8), expected.view(torch.uint8))
             assert torch.equal(window, x), "an allreduce into another tensor changed its input"
-        del window
+            mixed = window.copy_(x) if rank() % 2 == 0 else x.clone()  # in a window on even ranks only
+            assert ms.allreduce(mixed, "avg", out=mixed) is mixed
+            assert torch.equal(mixed.view(torch.uint8), expected.view(torch.uint8))
+        del window, mixed
     finally:
         assert segment.free()
 
@@ -154,6 +160,18 @@ def test_disagreeing_ranks_raise_on_every_rank_and_the_next_allreduce_works() ->
     started = shm_operations()
     assert torch.equal(ms.allreduce(torch.ones(600_000)), torch.full((600_000,), float(size())))
     assert shm_operations() == started + 1
+
+
+def test_blocking_on_one_rank_and_non_blocking_on_another_raise_on_every_rank() -> None:
+    """The ranks must agree on allreduce or iallreduce (a blocking one is completed in one pass): told apart
+    through the operation's description; every rank drops that operation, and the next one works."""
+    if size() == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    x = torch.ones(1000)
+    with pytest.raises(CommunicationError, match="every rank must call allreduce, or every rank iallreduce"):
+        with torch.no_grad():
+            ms.allreduce(x) if rank() == 0 else ms.iallreduce(x).wait()
+    assert torch.equal(ms.allreduce(x), torch.full((1000,), float(size())))
 
 
 def test_auto_mode_keeps_small_messages_and_other_ops_on_mpi() -> None:
