@@ -74,7 +74,7 @@ MODES = ("auto", "on", "off")
 #: memory?): where it beat MPI's allreduce on the quiet development machine (benchmarks/collectives.py, README).
 #: A tensor that must be copied in first gains later than one that lives in a shared segment (the strategy's
 #: gradient buckets); with more ranks than two, MPI's busy-polling ranks lose earlier.
-DEFAULT_MIN_BYTES = {(True, False): 8 << 20, (True, True): 1 << 20, (False, False): 2 << 20, (False, True): 2 << 20}
+DEFAULT_MIN_BYTES = {(True, False): 8 << 20, (True, True): 1 << 20, (False, False): 2 << 20, (False, True): 1 << 20}
 
 #: bytes per chunk: one chunk of every rank stays in the 32 MB L3 cache with room to spare, and the Python cost
 #: per chunk (a few torch calls, 20-40 µs) stays small next to moving it
