@@ -54,6 +54,11 @@ def averaged_tensors(module: nn.Module) -> list[torch.Tensor]:
     return params + buffers
 
 
+def _host_pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as flat host tensors, in order (what a packed flat buffer concatenates)."""
+    return [t.detach().reshape(-1).to("cpu") for t in tensors]
+
+
 @dataclass
 class Averaging:
     """A mean of the state in flight; :meth:`result` completes it and returns the flat means (one per dtype)."""
@@ -137,14 +142,11 @@ class ModelAverager:
 
     def pack(self) -> list[torch.Tensor]:
         """The current state as flat host buffers, one per dtype (copies)."""
-        flats = []
-        for tensors in self._groups.values():
-            flats.append(torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors]))
-        return flats
+        return [torch.cat(_host_pieces(tensors)) for tensors in self._groups.values()]
 
     def _pack_into(self, flats: list[torch.Tensor]) -> None:
         for tensors, flat in zip(self._groups.values(), flats, strict=True):
-            torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors], out=flat)
+            torch.cat(_host_pieces(tensors), out=flat)
 
     @property
     def _shares_node_memory(self) -> bool:
