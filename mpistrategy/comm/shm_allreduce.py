@@ -90,6 +90,7 @@ _KIND = {0: "non-blocking", 1: "blocking"}  # by the _SYNCHRONOUS bit
 _SYNCHRONOUS, _SUMMED_WHERE_IT_IS = 1, 2
 _REMEMBERED_SCRATCH_VIEWS = 64
 _REMEMBERED_PLACES = 64
+_REMEMBERED_PLANS = 64
 
 
 # ------------------------------------------------------------------------------------------------------- settings
@@ -370,6 +371,7 @@ class _Group:
         self._scratch_views: dict[tuple[str, torch.dtype, int, int], torch.Tensor] = {}
         self._done_by_all = 0  # every rank has published DONE of every operation up to this one
         self._located: dict[tuple[int, int], tuple[Segment, int] | None] = {}  # see _locate
+        self._plans: dict[tuple[int, torch.dtype], tuple[bool, int]] = {}  # (owners, step) by (numel, dtype)
 
     # ------------------------------------------------------------------------------------------------- check
 
@@ -555,8 +557,13 @@ class _Group:
         if seq > RING and not self._all_done(seq - RING):  # its descriptor slot's last user
             self._wait_until(lambda: self._all_done(seq - RING))
         nbytes = numel * dtype.itemsize
-        owners = not everyone_sums(nbytes, self.size)
-        step = _chunk_elements(numel, dtype, self.size, owners)
+        plan = self._plans.get((numel, dtype))
+        if plan is None:
+            if len(self._plans) >= _REMEMBERED_PLANS:
+                self._plans.clear()
+            owners = not everyone_sums(nbytes, self.size)
+            plan = self._plans[numel, dtype] = (owners, _chunk_elements(numel, dtype, self.size, owners))
+        owners, step = plan
         operation.seq, operation.base, operation.numel, operation.step = seq, self.chunk_count, numel, step
         operation.chunks, operation.owners = -(-numel // step), owners
         operation.to_reduce = self.rank if owners else 0  # owned chunks: rank, rank + P, ...
