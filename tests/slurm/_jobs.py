@@ -77,9 +77,21 @@ def wait_for(
     raise AssertionError(f"job {job} still {last} (reason {reason}) after {timeout:.0f} s (cancelled)")
 
 
+_first_seen_pending: dict[str, float] = {}
+
+#: seconds a requeued job stays pending before :func:`start_now` lets it start: slurmd refuses a batch job whose
+#: credential is not newer than the kill of its last run in whole seconds ("Job credential revoked", the job then
+#: FAILS); started 30 ms after the requeue, the relaunch fell in the same second once
+REQUEUE_SETTLE_SECONDS = 2.0
+
+
 def start_now(job: str) -> None:
-    """Let a pending job start at once: SLURM holds a requeued job back (Reason=BeginTime) before it may run again."""
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, timeout=30)
+    """Let a pending job start soon: SLURM holds a requeued job back (Reason=BeginTime) before it may run again.
+    Called at every poll that finds the job pending; it lifts the hold once the job has been seen pending for
+    :data:`REQUEUE_SETTLE_SECONDS`."""
+    first_seen = _first_seen_pending.setdefault(job, time.monotonic())
+    if time.monotonic() - first_seen >= REQUEUE_SETTLE_SECONDS:
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True, timeout=30)
 
 
 def output_of(cwd: Path) -> str:
