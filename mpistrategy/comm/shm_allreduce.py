@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -90,7 +91,6 @@ _KIND = {0: "non-blocking", 1: "blocking"}  # by the _SYNCHRONOUS bit
 _SYNCHRONOUS, _SUMMED_WHERE_IT_IS = 1, 2
 _REMEMBERED_SCRATCH_VIEWS = 64
 _REMEMBERED_PLACES = 64
-_REMEMBERED_PLANS = 64
 
 
 # ------------------------------------------------------------------------------------------------------- settings
@@ -371,7 +371,6 @@ class _Group:
         self._scratch_views: dict[tuple[str, torch.dtype, int, int], torch.Tensor] = {}
         self._done_by_all = 0  # every rank has published DONE of every operation up to this one
         self._located: dict[tuple[int, int], tuple[Segment, int] | None] = {}  # see _locate
-        self._plans: dict[tuple[int, torch.dtype], tuple[bool, int]] = {}  # (owners, step) by (numel, dtype)
 
     # ------------------------------------------------------------------------------------------------- check
 
@@ -557,13 +556,7 @@ class _Group:
         if seq > RING and not self._all_done(seq - RING):  # its descriptor slot's last user
             self._wait_until(lambda: self._all_done(seq - RING))
         nbytes = numel * dtype.itemsize
-        plan = self._plans.get((numel, dtype))
-        if plan is None:
-            if len(self._plans) >= _REMEMBERED_PLANS:
-                self._plans.clear()
-            owners = not everyone_sums(nbytes, self.size)
-            plan = self._plans[numel, dtype] = (owners, _chunk_elements(numel, dtype, self.size, owners))
-        owners, step = plan
+        owners, step = _plan(numel, dtype, self.size)
         operation.seq, operation.base, operation.numel, operation.step = seq, self.chunk_count, numel, step
         operation.chunks, operation.owners = -(-numel // step), owners
         operation.to_reduce = self.rank if owners else 0  # owned chunks: rank, rank + P, ...
@@ -952,6 +945,14 @@ def everyone_sums(nbytes: int, size: int) -> bool:
     :data:`EVERYONE_SUMS_BYTES` of others' input per rank, each chunk is summed by its owner and copied by the
     others (two waits, one input's worth read)."""
     return nbytes * (size - 1) <= EVERYONE_SUMS_BYTES
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(numel: int, dtype: torch.dtype, size: int) -> tuple[bool, int]:
+    """The plan of an allreduce of ``numel`` elements of ``dtype`` over ``size`` ranks: whether each chunk has an
+    owner (:func:`everyone_sums`), and the elements per chunk (remembered: operations repeat on the same sizes)."""
+    owners = not everyone_sums(numel * dtype.itemsize, size)
+    return owners, _chunk_elements(numel, dtype, size, owners)
 
 
 def _split(flat: torch.Tensor, step: int) -> tuple[torch.Tensor, ...]:
