@@ -17,7 +17,9 @@ follows the same one:
   place keeps each summed chunk in scratch until every rank has read that chunk (``REDUCED``), then writes it.
 
 Every sum is taken in rank order, ``((x_0 + x_1) + x_2) + ...`` (float16 and bfloat16 in float32, rounded once),
-then multiplied by 1/P for avg: the result is bitwise identical on every rank and in every run. The chunks of a
+then multiplied by 1/P for avg: the result is bitwise identical on every rank and in every run. float32 and
+float64 are summed by a compiled kernel (:mod:`~mpistrategy.comm.rank_sum`: each input read once, the sum written
+to every place it goes in the same pass, the same bits as torch's chain), the others with torch. The chunks of a
 non-blocking operation make a pipeline: a rank sums chunk c while the others still copy in chunk c + 1, and a
 summed chunk is still in the shared cache when the others copy it. A blocking one (:meth:`_Group.allreduce`) takes
 the same plan in one straight pass, with one wait for all ranks per step instead of per chunk; when every rank
@@ -58,6 +60,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpistrategy.comm import rank_sum
 from mpistrategy.comm.buffers import DTYPE_CODES, deliver, receive_buffer, same_memory
 from mpistrategy.comm.checks import Exchange
 from mpistrategy.comm.communicator import Communicator
@@ -371,6 +374,7 @@ class _Group:
         self._scratch_views: dict[tuple[str, torch.dtype, int, int], torch.Tensor] = {}
         self._done_by_all = 0  # every rank has published DONE of every operation up to this one
         self._located: dict[tuple[int, int], tuple[Segment, int] | None] = {}  # see _locate
+        rank_sum.available(torch.float32)  # builds the compiled sum now rather than inside the first allreduce
 
     # ------------------------------------------------------------------------------------------------- check
 
@@ -498,13 +502,12 @@ class _Group:
         destination = operation.result_chunks if operation.owners else operation.target_chunks
         for chunk in range(operation.to_reduce, chunks, stride):
             if operation.write_back:
-                self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),), 0)
-                continue
-            self._sum_chunk(operation, chunk, destination, chunk)
-            if operation.push:
-                for peer, results in enumerate(operation.results):
-                    if peer != self.rank:
-                        results[chunk].copy_(destination[chunk])
+                self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),))
+            elif operation.push:
+                everywhere = [results[chunk] for peer, results in enumerate(operation.results) if peer != self.rank]
+                self._sum_chunk(operation, chunk, (destination[chunk], *everywhere))
+            else:
+                self._sum_chunk(operation, chunk, (destination[chunk],))
         if operation.push:
             self._meet(REDUCED, base + chunks)
             flags.publish(DONE, operation.seq)
@@ -733,10 +736,10 @@ class _Group:
                 if operation.inputs is None:
                     self._resolve(operation)
                 if operation.write_back:
-                    self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),), 0)
+                    self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),))
                     operation.written = chunk
                 else:
-                    self._sum_chunk(operation, chunk, destination, chunk)
+                    self._sum_chunk(operation, chunk, (destination[chunk],))
                     operation.to_reduce = chunk + stride
                 flags.publish(REDUCED, base + chunk + 1)  # this rank has read every rank's chunk
                 progressed = True
@@ -846,13 +849,16 @@ class _Group:
             )
         return segment.chunks(index, offset, numel, dtype, step)
 
-    def _sum_chunk(
-        self, operation: _Operation, chunk: int, destination: tuple[torch.Tensor, ...], position: int
-    ) -> None:
-        """Sum chunk ``chunk`` of every rank's input in rank order into ``destination[position]``."""
+    def _sum_chunk(self, operation: _Operation, chunk: int, outputs: tuple[torch.Tensor, ...]) -> None:
+        """Sum chunk ``chunk`` of every rank's input in rank order into every tensor of ``outputs`` (the first may
+        be this rank's own input): compiled for float32 and float64 (:mod:`~mpistrategy.comm.rank_sum`), else
+        with torch, float16 and bfloat16 in float32."""
         parts = [chunks[chunk] for chunks in operation.inputs]
-        out = destination[position]
-        scale = 1.0 / self.size
+        scale = 1.0 / self.size if operation.average else 1.0
+        if rank_sum.available(operation.dtype):
+            rank_sum.sum_to(outputs, parts, scale)
+            return
+        out = outputs[0]
         if operation.dtype in _HALF:
             total = self._scratch_of(torch.float32, 2, out.numel())
             total[0].copy_(parts[0])
@@ -862,12 +868,10 @@ class _Group:
             if operation.average:
                 total[0].mul_(scale)
             out.copy_(total[0])
-            return
-        if len(parts) == 1:
+        elif len(parts) == 1:
             if not operation.in_place:
                 out.copy_(parts[0])
-            return
-        if not operation.in_place or self.rank < 2 or len(parts) == 2:
+        elif not operation.in_place or self.rank < 2 or len(parts) == 2:
             torch.add(parts[0], parts[1], out=out)
             for part in parts[2:]:
                 out.add_(part)
@@ -877,8 +881,10 @@ class _Group:
             for part in parts[2:-1]:
                 total.add_(part)
             torch.add(total, parts[-1], out=out)
-        if operation.average:
+        if operation.average and operation.dtype not in _HALF and len(parts) > 1:
             out.mul_(scale)
+        for other in outputs[1:]:
+            other.copy_(out)
 
     def _scratch_of(self, dtype: torch.dtype, count: int, numel: int, use: str = "sum") -> torch.Tensor:
         """``count`` rows of ``numel`` elements of private scratch memory for ``use`` (kept, and so are the views

@@ -13,7 +13,7 @@ from torch import nn
 import mpistrategy as ms
 from mpistrategy import CommunicationError
 from mpistrategy.aggregation import MeanAggregator
-from mpistrategy.comm import shm_allreduce, shm_window
+from mpistrategy.comm import rank_sum, shm_allreduce, shm_window
 from mpistrategy.comm.shm_allreduce import CHUNK_BYTES, EVERYONE_SUMS_BYTES, built_group, shared_memory
 from mpistrategy.comm.topology import topology
 from mpistrategy.strategy.reducer import GradientReducer
@@ -127,6 +127,37 @@ def test_tensors_in_shared_memory_are_reduced_where_they_are(dtype: torch.dtype)
             assert ms.allreduce(mixed, "avg", out=mixed) is mixed
             assert torch.equal(mixed.view(torch.uint8), expected.view(torch.uint8))
         del window, mixed
+    finally:
+        assert segment.free()
+
+
+@pytest.mark.parametrize("dtype", rank_sum.SUPPORTED_DTYPES)
+def test_compiled_and_torch_sums_give_the_same_bits_also_when_ranks_mix_them(dtype: torch.dtype) -> None:
+    """Every plan (every rank sums, owners, owners writing into every window) with the compiled sum on every
+    rank, with torch's on every rank, and with torch's on odd ranks only: the same bits."""
+    largest = max(sizes(dtype))
+    segment = shm_window.allocate(largest * dtype.itemsize, COMM)
+    try:
+        for numel in sizes(dtype)[1:]:
+            x = per_rank(numel, dtype, seed=numel + 9)
+            window = segment.typed(segment.rank, 0, numel, dtype)
+            results = []
+            for compiled_here in (True, False, rank() % 2 == 0):
+                with rank_sum.compiled(compiled_here), torch.no_grad():
+                    blocking = ms.allreduce(x, "avg")
+                    pending = ms.iallreduce(x, "avg").wait()
+                    window.copy_(x)
+                    ms.allreduce(window, "avg", out=window)
+                    blocking_in_place = window.clone()
+                    window.copy_(x)
+                    ms.iallreduce(window, "avg", out=window).wait()
+                    pending_in_place = window.clone()
+                outcomes = (blocking, pending, blocking_in_place, pending_in_place)
+                results.append([t.view(torch.uint8) for t in outcomes])
+            for result in results:
+                assert all(torch.equal(a, b) for a, b in zip(result, results[0], strict=True)), f"{numel} elements"
+            assert same_bits_everywhere(results[0][0])
+        del window
     finally:
         assert segment.free()
 
