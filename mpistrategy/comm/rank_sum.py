@@ -24,6 +24,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 import warnings
@@ -49,10 +50,10 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpistrategy"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: list[str]) -> Path:
     """The compiled kernel's path (built now unless a matching build is in the cache)."""
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *_FLAGS, platform.machine())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join((*compiler, *_FLAGS, platform.machine())).encode()).hexdigest()[:16]
     directory = _cache_dir()
     library = directory / f"rank_sum-{platform.machine()}-{key}.so"
     if library.exists():
@@ -60,7 +61,8 @@ def _build(compiler: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as building:
         target = Path(building) / library.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(target)], check=True, capture_output=True, text=True)
+        command = [*compiler, *_FLAGS, str(_SOURCE), "-o", str(target)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(target, library)
     return library
 
@@ -69,16 +71,16 @@ def _build(compiler: str) -> Path:
 def _kernel() -> ctypes._CFuncPtr | None:
     if os.environ.get(NATIVE_VARIABLE, "1").strip().lower() in ("0", "off", "false", "no"):
         return None
-    compiler = os.environ.get("CC") or "cc"
+    compiler = shlex.split(os.environ.get("CC") or "cc")
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.CalledProcessError) as failure:
-        detail = getattr(failure, "stderr", None) or failure
+        detail = str(getattr(failure, "stderr", None) or failure).strip()[:300]
+        where = f"with {shlex.join(compiler)!r} into {_cache_dir()}"
+        fixes = f"install a C compiler or set $CC, set {CACHE_VARIABLE} to a writable directory"
         warnings.warn(
-            f"mpistrategy: the compiled sum of the shared-memory allreduce could not be built with {compiler!r} "
-            f"into {_cache_dir()} ({str(detail).strip()[:300]}); summing with torch instead (slower). Install a C "
-            f"compiler or set $CC, set {CACHE_VARIABLE} to a writable directory, or set {NATIVE_VARIABLE}=0 to "
-            "silence this.",
+            f"mpistrategy: the compiled sum of the shared-memory allreduce could not be built {where} ({detail}); "
+            f"summing with torch instead (slower). To fix it, {fixes}; to silence this, set {NATIVE_VARIABLE}=0.",
             RuntimeWarning,
             stacklevel=3,
         )

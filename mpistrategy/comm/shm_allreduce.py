@@ -9,9 +9,10 @@ follows the same one:
 
 - *owners* (larger messages): chunk c belongs to rank c mod P, which sums it from every rank's input, writes it
   over its own input (or into its staging segment when its input must stay as it is) and announces it
-  (``REDUCED``); then every rank copies every chunk from its owner into its result. An input in shared memory
-  reduced in place is read once and a 1/P share written, then a (P-1)/P share read and written; a rank's own
-  chunks of a private input are read from the tensor itself, so only the others' chunks are copied in.
+  (``REDUCED``), and into its result too when that is elsewhere, in the same pass; then every rank copies every
+  other chunk from its owner into its result. An input in shared memory reduced in place is read once and a 1/P
+  share written, then a (P-1)/P share read and written; a rank's own chunks of a private input are read from the
+  tensor itself, so only the others' chunks are copied in.
 - *everyone* (messages of at most :data:`EVERYONE_SUMS_BYTES` of others' input per rank): every rank sums every
   chunk itself, straight into its result: one wait for the others instead of two. A shared buffer reduced in
   place keeps each summed chunk in scratch until every rank has read that chunk (``REDUCED``), then writes it.
@@ -275,6 +276,7 @@ class _Operation:
     result_chunks: tuple[torch.Tensor, ...] = ()  # owners: where this rank's sums go (shared memory)
     target_chunks: tuple[torch.Tensor, ...] = ()  # where every summed chunk ends up on this rank
     skip_own = False  # target is result: own chunks are already there
+    sums_to_target = False  # owners with a separate target: each sum is written there too as it is summed
     push = False  # blocking, and every rank's target is its result: owners write their sums into every target
     in_place = False  # the sums overwrite this rank's own input
     write_back = False  # every rank sums: this rank's sums wait in scratch until every rank has read the chunk
@@ -507,7 +509,7 @@ class _Group:
                 everywhere = [results[chunk] for peer, results in enumerate(operation.results) if peer != self.rank]
                 self._sum_chunk(operation, chunk, (destination[chunk], *everywhere))
             else:
-                self._sum_chunk(operation, chunk, (destination[chunk],))
+                self._sum_chunk(operation, chunk, _places(operation, destination, chunk))
         if operation.push:
             self._meet(REDUCED, base + chunks)
             flags.publish(DONE, operation.seq)
@@ -532,7 +534,7 @@ class _Group:
             owner = chunk % size
             if owner != rank:
                 operation.target_chunks[chunk].copy_(operation.results[owner][chunk])
-            elif not operation.skip_own:
+            elif not (operation.skip_own or operation.sums_to_target):
                 operation.target_chunks[chunk].copy_(operation.result_chunks[chunk])
 
     def _meet(self, counter: int, value: int) -> None:
@@ -594,6 +596,7 @@ class _Group:
                 operation.result_chunks = staging.chunks(staging.rank, staging_offset, numel, dtype, step)
             elif owners:
                 result_at, operation.result_chunks = source_at, operation.source_chunks
+            operation.sums_to_target = owners
             operation.target = receive_buffer(out, tuple(tensor.shape), dtype, tensor.device)
             operation.target_chunks = _split(operation.target.view(-1), step)
             # every rank sums from this rank's tensor: it must stay as it is until all are done
@@ -739,7 +742,7 @@ class _Group:
                     self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),))
                     operation.written = chunk
                 else:
-                    self._sum_chunk(operation, chunk, (destination[chunk],))
+                    self._sum_chunk(operation, chunk, _places(operation, destination, chunk))
                     operation.to_reduce = chunk + stride
                 flags.publish(REDUCED, base + chunk + 1)  # this rank has read every rank's chunk
                 progressed = True
@@ -761,7 +764,7 @@ class _Group:
                 if owner == rank:
                     if operation.to_reduce <= chunk:
                         return progressed
-                    if not operation.skip_own:
+                    if not (operation.skip_own or operation.sums_to_target):
                         operation.target_chunks[chunk].copy_(operation.result_chunks[chunk])
                 else:
                     if not reached(flags.value(owner, REDUCED), base + chunk + 1):
@@ -959,6 +962,14 @@ def _plan(numel: int, dtype: torch.dtype, size: int) -> tuple[bool, int]:
     owner (:func:`everyone_sums`), and the elements per chunk (remembered: operations repeat on the same sizes)."""
     owners = not everyone_sums(numel * dtype.itemsize, size)
     return owners, _chunk_elements(numel, dtype, size, owners)
+
+
+def _places(operation: _Operation, destination: tuple[torch.Tensor, ...], chunk: int) -> tuple[torch.Tensor, ...]:
+    """Where this rank writes its sum of chunk ``chunk``: ``destination``'s chunk, and its target's when the
+    operation writes sums there as they are summed."""
+    if operation.sums_to_target:
+        return destination[chunk], operation.target_chunks[chunk]
+    return (destination[chunk],)
 
 
 def _split(flat: torch.Tensor, step: int) -> tuple[torch.Tensor, ...]:

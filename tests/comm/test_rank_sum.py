@@ -100,6 +100,8 @@ def test_without_a_working_compiler_torch_sums_and_a_warning_says_why(tmp_path: 
     failed = run_python(PROBE, CC="/bin/false", **{rank_sum.CACHE_VARIABLE: str(tmp_path)})
     assert failed.stdout.strip() == "False"
     assert "could not be built with '/bin/false'" in failed.stderr and "summing with torch" in failed.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [], "a failed build left files behind"
+    with_flags = run_python(PROBE, CC="cc -w", **{rank_sum.CACHE_VARIABLE: str(tmp_path)})
+    assert with_flags.stdout.strip() == "True", with_flags.stderr  # $CC may carry flags, as make's does
     switched_off = run_python(PROBE, CC="/bin/false", **{rank_sum.NATIVE_VARIABLE: "0"})
     assert switched_off.stdout.strip() == "False" and "could not be built" not in switched_off.stderr
