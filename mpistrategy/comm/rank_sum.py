@@ -9,10 +9,10 @@ IEEE operations in the same order as that torch chain (no reassociation, no fuse
 ``-ffp-contract=off``), so its results are bitwise the same.
 
 It is built on first use with the system's C compiler (``$CC``, else ``cc``) into a cache directory
-(``$MPISTRATEGY_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpistrategy``, else ``~/.cache/mpistrategy``), under a name
-made of a hash of the source, the flags and the machine type, written under a temporary name and renamed: ranks
-that build it at the same time do not clash, and nodes of another architecture that share the directory build
-their own. Where it cannot be built (no compiler, no writable cache), or with ``MPISTRATEGY_NATIVE=0``,
+(``$MPISTRATEGY_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpistrategy``, else ``~/.cache/mpistrategy``, else, without a
+home directory, ``mpistrategy-<uid>`` in the temporary directory), under a name made of a hash of the source, the
+flags and the machine type, written under a temporary name and renamed: ranks that build it at the same time do
+not clash, and nodes of another architecture that share the directory build their own. Where it cannot be built (no compiler, no writable cache), or with ``MPISTRATEGY_NATIVE=0``,
 :func:`available` is False and the callers sum with torch (one warning per process says why).
 """
 
@@ -40,6 +40,7 @@ _SOURCE = Path(__file__).with_suffix(".c")
 _FLAGS = ("-O2", "-ftree-vectorize", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off")
 _DTYPES = {torch.float32: 0, torch.float64: 1}
 SUPPORTED_DTYPES = tuple(_DTYPES)
+_BUILD_SECONDS = 120
 _wanted = [True]  # see compiled()
 
 
@@ -47,7 +48,10 @@ def _cache_dir() -> Path:
     configured = os.environ.get(CACHE_VARIABLE)
     if configured:
         return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpistrategy"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if base.startswith("~"):  # no home directory
+        return Path(tempfile.gettempdir()) / f"mpistrategy-{os.getuid()}"
+    return Path(base) / "mpistrategy"
 
 
 def _build(compiler: list[str]) -> Path:
@@ -62,7 +66,7 @@ def _build(compiler: list[str]) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as building:
         target = Path(building) / library.name
         command = [*compiler, *_FLAGS, str(_SOURCE), "-o", str(target)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=_BUILD_SECONDS)
         os.replace(target, library)
     return library
 
@@ -74,7 +78,7 @@ def _kernel() -> ctypes._CFuncPtr | None:
     compiler = shlex.split(os.environ.get("CC") or "cc")
     try:
         library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as failure:
+    except (OSError, subprocess.SubprocessError) as failure:
         detail = str(getattr(failure, "stderr", None) or failure).strip()[:300]
         where = f"with {shlex.join(compiler)!r} into {_cache_dir()}"
         fixes = f"install a C compiler or set $CC, set {CACHE_VARIABLE} to a writable directory"
