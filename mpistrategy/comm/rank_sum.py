@@ -12,8 +12,9 @@ It is built on first use with the system's C compiler (``$CC``, else ``cc``) int
 (``$MPISTRATEGY_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpistrategy``, else ``~/.cache/mpistrategy``, else, without a
 home directory, ``mpistrategy-<uid>`` in the temporary directory), under a name made of a hash of the source, the
 flags and the machine type, written under a temporary name and renamed: ranks that build it at the same time do
-not clash, and nodes of another architecture that share the directory build their own. Where it cannot be built (no compiler, no writable cache), or with ``MPISTRATEGY_NATIVE=0``,
-:func:`available` is False and the callers sum with torch (one warning per process says why).
+not clash, and nodes of another architecture that share the directory build their own. Where it cannot be built
+(no compiler, no writable cache), or with ``MPISTRATEGY_NATIVE=0``, :func:`available` is False and the callers sum
+with torch (one warning per process says why).
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ follows the same one:
 - *owners* (larger messages): chunk c belongs to rank c mod P, which sums it from every rank's input, writes it
   over its own input (or into its staging segment when its input must stay as it is) and announces it
   (``REDUCED``), and into its result too when that is elsewhere, in the same pass; then every rank copies every
-  other chunk from its owner into its result. An input in shared memory reduced in place is read once and a 1/P
-  share written, then a (P-1)/P share read and written; a rank's own chunks of a private input are read from the
-  tensor itself, so only the others' chunks are copied in.
+  other chunk from its owner into its result. When every rank reduces a tensor in a window in place, each owner
+  writes its sums into every rank's tensor instead, in the same pass (only a chunk's owner reads that chunk
+  anywhere): every input is read once and written once, and no rank waits for the others to finish reading it.
+  A rank's own chunks of a private input are read from the tensor itself, so only the others' chunks are copied
+  in.
 - *everyone* (messages of at most :data:`EVERYONE_SUMS_BYTES` of others' input per rank): every rank sums every
   chunk itself, straight into its result: one wait for the others instead of two. A shared buffer reduced in
   place keeps each summed chunk in scratch until every rank has read that chunk (``REDUCED``), then writes it.
@@ -23,10 +25,8 @@ float64 are summed by a compiled kernel (:mod:`~mpistrategy.comm.rank_sum`: each
 to every place it goes in the same pass, the same bits as torch's chain), the others with torch. The chunks of a
 non-blocking operation make a pipeline: a rank sums chunk c while the others still copy in chunk c + 1, and a
 summed chunk is still in the shared cache when the others copy it. A blocking one (:meth:`_Group.allreduce`) takes
-the same plan in one straight pass, with one wait for all ranks per step instead of per chunk; when every rank
-reduces a tensor in a window in place, each owner writes its sums into every rank's tensor (only a chunk's owner
-reads that chunk anywhere), which saves the wait for the others to finish reading. With ranks that share a
-machine, MPI's own allreduce copies every element through its queues several times.
+the same plan in one straight pass, with one wait for all ranks per step instead of per chunk. With ranks that
+share a machine, MPI's own allreduce copies every element through its queues several times.
 
 Waiting (for a peer's chunk, its check or its ``DONE``) spins for a few microseconds (yielding the core between
 looks where ranks outnumber cores), then sleeps in the kernel on a futex (see
@@ -277,7 +277,7 @@ class _Operation:
     target_chunks: tuple[torch.Tensor, ...] = ()  # where every summed chunk ends up on this rank
     skip_own = False  # target is result: own chunks are already there
     sums_to_target = False  # owners with a separate target: each sum is written there too as it is summed
-    push = False  # blocking, and every rank's target is its result: owners write their sums into every target
+    push = False  # every rank's target is its result (a window, in place): owners write their sums into every one
     in_place = False  # the sums overwrite this rank's own input
     write_back = False  # every rank sums: this rank's sums wait in scratch until every rank has read the chunk
     written = -1  # write_back: the chunk whose sum is in scratch (-1: none)
@@ -505,11 +505,8 @@ class _Group:
         for chunk in range(operation.to_reduce, chunks, stride):
             if operation.write_back:
                 self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),))
-            elif operation.push:
-                everywhere = [results[chunk] for peer, results in enumerate(operation.results) if peer != self.rank]
-                self._sum_chunk(operation, chunk, (destination[chunk], *everywhere))
             else:
-                self._sum_chunk(operation, chunk, _places(operation, destination, chunk))
+                self._sum_chunk(operation, chunk, self._places(operation, destination, chunk))
         if operation.push:
             self._meet(REDUCED, base + chunks)
             flags.publish(DONE, operation.seq)
@@ -742,11 +739,23 @@ class _Group:
                     self._sum_chunk(operation, chunk, (self._write_back_scratch(destination[chunk]),))
                     operation.written = chunk
                 else:
-                    self._sum_chunk(operation, chunk, _places(operation, destination, chunk))
+                    self._sum_chunk(operation, chunk, self._places(operation, destination, chunk))
                     operation.to_reduce = chunk + stride
                 flags.publish(REDUCED, base + chunk + 1)  # this rank has read every rank's chunk
                 progressed = True
         return progressed
+
+    def _places(
+        self, operation: _Operation, destination: tuple[torch.Tensor, ...], chunk: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Where this rank writes its sum of chunk ``chunk``: ``destination``'s chunk, then its target's when the
+        operation writes sums there as they are summed, or every other rank's result when it pushes."""
+        if operation.sums_to_target:
+            return destination[chunk], operation.target_chunks[chunk]
+        if operation.push:
+            others = (results[chunk] for peer, results in enumerate(operation.results) if peer != self.rank)
+            return destination[chunk], *others
+        return (destination[chunk],)
 
     def _write_back_scratch(self, chunk: torch.Tensor) -> torch.Tensor:
         return self._scratch_of(chunk.dtype, 1, chunk.numel(), "write back")[0]
@@ -772,7 +781,8 @@ class _Group:
                     flags.acquire()
                     if operation.results is None:
                         self._resolve(operation)
-                    operation.target_chunks[chunk].copy_(operation.results[owner][chunk])
+                    if not operation.push:  # else the owner wrote the sum here
+                        operation.target_chunks[chunk].copy_(operation.results[owner][chunk])
                 operation.gathered = chunk + 1
                 progressed = True
             if not operation.announced:
@@ -797,7 +807,7 @@ class _Group:
         self.flags.acquire()
         inputs, results = [], []
         dtype, numel, step = operation.dtype, operation.numel, operation.step
-        push = operation.synchronous and operation.skip_own
+        push = operation.skip_own
         for rank in range(self.size):
             if rank == self.rank:
                 inputs.append(operation.own_chunks)
@@ -828,6 +838,7 @@ class _Group:
         operation.inputs = inputs
         operation.results = results if operation.owners else None
         operation.push = bool(push)
+        operation.await_done = operation.await_done and not push  # pushed: nobody reads this rank's tensor later
         destination = operation.result_chunks if operation.owners else operation.target_chunks
         own = operation.own_chunks[0].data_ptr() == destination[0].data_ptr()
         operation.in_place = own and not operation.write_back
@@ -962,14 +973,6 @@ def _plan(numel: int, dtype: torch.dtype, size: int) -> tuple[bool, int]:
     owner (:func:`everyone_sums`), and the elements per chunk (remembered: operations repeat on the same sizes)."""
     owners = not everyone_sums(numel * dtype.itemsize, size)
     return owners, _chunk_elements(numel, dtype, size, owners)
-
-
-def _places(operation: _Operation, destination: tuple[torch.Tensor, ...], chunk: int) -> tuple[torch.Tensor, ...]:
-    """Where this rank writes its sum of chunk ``chunk``: ``destination``'s chunk, and its target's when the
-    operation writes sums there as they are summed."""
-    if operation.sums_to_target:
-        return destination[chunk], operation.target_chunks[chunk]
-    return (destination[chunk],)
 
 
 def _split(flat: torch.Tensor, step: int) -> tuple[torch.Tensor, ...]:

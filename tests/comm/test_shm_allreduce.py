@@ -178,6 +178,33 @@ def test_non_blocking_allreduces_complete_in_any_wait_order() -> None:
     assert segment.free()
 
 
+def test_owners_write_into_every_window_while_other_allreduces_are_in_flight() -> None:
+    """Non-blocking, in place in windows, several chunks per rank: each owner writes its sums into every rank's
+    window. Two such operations and a private one in flight at once, waited in reverse order: the bits of the
+    blocking allreduce of the same values."""
+    numel = (EVERYONE_SUMS_BYTES + 3 * CHUNK_BYTES) // 4 + 3
+    second_at = -(-numel * 4 // 64) * 64
+    segment = shm_window.allocate(2 * second_at, COMM)
+    first = segment.typed(segment.rank, 0, numel, torch.float32)
+    second = segment.typed(segment.rank, second_at, numel, torch.float32)
+    values = [per_rank(numel, torch.float32, seed=seed) for seed in (21, 22, 23)]
+    expected = [ms.allreduce(value, "avg") for value in values]
+    first.copy_(values[0])
+    second.copy_(values[1])
+    with torch.no_grad():
+        handles = [
+            ms.iallreduce(first, "avg", out=first),
+            ms.iallreduce(values[2], "avg"),
+            ms.iallreduce(second, "avg", out=second),
+        ]
+        results = [handle.wait() for handle in reversed(handles)][::-1]
+    assert results[0] is first and results[2] is second
+    for result, reference in zip((first, results[1], second), (expected[0], expected[2], expected[1]), strict=True):
+        assert torch.equal(result.view(torch.uint8), reference.view(torch.uint8))
+    del first, second, results, handles, result
+    assert segment.free()
+
+
 def test_disagreeing_ranks_raise_on_every_rank_and_the_next_allreduce_works() -> None:
     if size() == 1:
         pytest.skip("one rank cannot disagree with itself")
