@@ -593,9 +593,9 @@ class _Group:
                 operation.result_chunks = staging.chunks(staging.rank, staging_offset, numel, dtype, step)
             elif owners:
                 result_at, operation.result_chunks = source_at, operation.source_chunks
-            operation.sums_to_target = owners
             operation.target = receive_buffer(out, tuple(tensor.shape), dtype, tensor.device)
             operation.target_chunks = _split(operation.target.view(-1), step)
+            operation.sums_to_target = owners and operation.target.is_cpu  # a device target gets copies instead
             # every rank sums from this rank's tensor: it must stay as it is until all are done
             operation.await_done = in_window and not owners and self.size > 1
         busy = staging_busy_until and not self._all_done(staging_busy_until)
