@@ -11,8 +11,8 @@
 #endif
 
 #define DEFINE_SUM(NAME, T)                                                                                    \
-    WIDEST static void NAME(size_t n, int count, const void *const *inputs, int targets, void *const *outputs,       \
-                     T scale, int scaled) {                                                                    \
+    WIDEST static void NAME(size_t n, int count, const void *const *inputs, int targets, void *const *outputs, \
+                            T scale, int scaled) {                                                             \
         T block[BLOCK];                                                                                        \
         for (size_t start = 0; start < n; start += BLOCK) {                                                    \
             size_t len = n - start < BLOCK ? n - start : BLOCK;                                                \
@@ -34,17 +34,12 @@
 DEFINE_SUM(sum_float, float)
 DEFINE_SUM(sum_double, double)
 
-/* dtype 0: float32, 1: float64. Returns 0, or -1 for an unknown dtype. */
-int rank_sum(int dtype, size_t n, int count, const void *const *inputs, int targets, void *const *outputs,
-             double scale) {
+/* dtype 0: float32, 1: float64 (the caller passes no other). */
+void rank_sum(int dtype, size_t n, int count, const void *const *inputs, int targets, void *const *outputs,
+              double scale) {
     int scaled = scale != 1.0;
-    if (dtype == 0) {
+    if (dtype == 0)
         sum_float(n, count, inputs, targets, outputs, (float)scale, scaled);
-        return 0;
-    }
-    if (dtype == 1) {
+    else
         sum_double(n, count, inputs, targets, outputs, scale, scaled);
-        return 0;
-    }
-    return -1;
 }

@@ -91,7 +91,7 @@ def _kernel() -> ctypes._CFuncPtr | None:
         )
         return None
     kernel = library.rank_sum
-    kernel.restype = ctypes.c_int
+    kernel.restype = None
     kernel.argtypes = [
         ctypes.c_int,
         ctypes.c_size_t,
