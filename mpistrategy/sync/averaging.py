@@ -24,6 +24,10 @@ The inter-node part can be non-blocking (:meth:`ModelAverager.start` returns an 
 per element, summed pairwise in float32, see :mod:`mpistrategy.comm.low_precision`). What a mode does with the
 mean (replace, or merge with the current state) is the mode's business: :meth:`ModelAverager.assign` and
 :meth:`ModelAverager.merge`.
+
+On the ``"nodes"`` route an average may also take one rank per node (``source``, a rank of the node): the mean
+over the ``N`` nodes of that rank's state, ``(1/N) sum_n x_{n, source}`` (heat's DASO sends one rank's model per
+node); the other ranks of each node contribute zeros to the node sum.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class Averaging:
     requests: list[MPI.Request] = field(default_factory=list)
     progress: Progress | None = None  # the thread driving the requests while they are in flight
     shared_set: int | None = None  # the set of the node's shared flats it uses (None: private flats)
+    contributors: int = 1  # how many ranks' states the sum holds (the mean divides by it)
     done: bool = False
 
     def test(self) -> bool:
@@ -140,6 +145,10 @@ class ModelAverager:
         """The number of averaged elements."""
         return sum(t.numel() for t in self.tensors)
 
+    def _zeros(self) -> list[torch.Tensor]:
+        """Flat buffers laid out as :meth:`pack` lays them out, holding zeros."""
+        return [torch.zeros(sum(t.numel() for t in tensors), dtype=dtype) for dtype, tensors in self._groups.items()]
+
     def pack(self) -> list[torch.Tensor]:
         """The current state as flat host buffers, one per dtype (copies)."""
         return [torch.cat(_host_pieces(tensors)) for tensors in self._groups.values()]
@@ -170,14 +179,19 @@ class ModelAverager:
         else:
             self.node.forward.Allreduce(MPI.IN_PLACE, mpi_buffer(flat), MPI.SUM)
 
-    def start(self, wire_dtype: torch.dtype | None = None) -> Averaging:
+    def start(self, wire_dtype: torch.dtype | None = None, source: int | None = None) -> Averaging:
         """Start averaging the current state: the node sum completes now, the inter-node part is left in flight.
 
         ``wire_dtype`` (``torch.bfloat16`` or ``torch.float16``) halves the inter-node bytes; ``None`` sends the
-        state's own dtype.
+        state's own dtype. ``source`` (``"nodes"`` route only): average only the state of this rank of each node.
         """
         if wire_dtype is not None and wire_dtype not in HALF_DTYPES:
             raise ValueError(f"ModelAverager: wire_dtype={wire_dtype} must be None, torch.bfloat16 or torch.float16.")
+        contributors = self.topology.size
+        if source is not None:
+            if self.node is None or not 0 <= source < self.node.size:
+                raise ValueError(f"ModelAverager: source={source} must be a rank of the node on the 'nodes' route.")
+            contributors = self.topology.num_nodes
         index = self._started % 2
         previous = self._in_flight[index]
         if previous is not None and not previous.done:
@@ -186,11 +200,16 @@ class ModelAverager:
                 "starting a third."
             )
         shared_set = index if self._shares_node_memory else None
+        contributes = source is None or self.node is None or self.node.rank == source
         if shared_set is None:
-            flats = self.pack()
+            flats = self.pack() if contributes else self._zeros()
         else:
             flats = self._shared_flats(shared_set)
-            self._pack_into(flats)
+            if contributes:
+                self._pack_into(flats)
+            else:
+                for flat in flats:
+                    flat.zero_()
         spans_nodes = self.topology.num_nodes > 1
         if self.route == "nodes":
             for flat in flats:
@@ -214,7 +233,7 @@ class ModelAverager:
                     requests += self._post(comm, flat, wire)
                 elif wire is not flat:
                     wire.copy_(flat)
-        averaging = Averaging(self, flats, wires, requests, drive(requests), shared_set)
+        averaging = Averaging(self, flats, wires, requests, drive(requests), shared_set, contributors)
         self._in_flight[index] = averaging
         self._started += 1
         return averaging
@@ -248,7 +267,7 @@ class ModelAverager:
     def _complete(self, averaging: Averaging) -> None:
         if averaging.requests:
             MPI.Request.Waitall(averaging.requests)
-        scale = 1.0 / self.topology.size
+        scale = 1.0 / averaging.contributors
         if averaging.shared_set is not None:  # the leader scales; the others read its mean in place
             if self.node.rank == 0:
                 for flat, wire in zip(averaging.flats, averaging.wires, strict=False):
@@ -270,14 +289,14 @@ class ModelAverager:
         """The mean state over all ranks, blocking."""
         return self.start(wire_dtype).result()
 
-    def equalize_in_node(self) -> None:
-        """Replace the state by its mean over this node's ranks (blocking, shared memory only)."""
+    def broadcast_in_node(self, root: int) -> None:
+        """Replace the state of every rank of this node by that of its rank ``root`` (blocking)."""
         if self.node is None or self.node.size == 1:
             return
         flats = self.pack()
         for flat in flats:
-            self._node_sum(flat)
-            flat.mul_(1.0 / self.node.size)
+            self.traffic.add(NODE, flat.nbytes)
+            self.node.forward.Bcast(mpi_buffer(flat), root=root)
         self.assign(flats)
 
     def close(self) -> None:

@@ -1,40 +1,62 @@
-"""DASO: node-local data parallelism every step, non-blocking model averaging across nodes every few steps.
+"""DASO: node-local data parallelism, non-blocking model averaging across nodes every few steps (heat's schedule).
 
-Distributed Asynchronous and Selective Optimization (Coquelin et al., J. Big Data 2022; heat's ``DASO``), with
-heat's schedule and defaults:
+Distributed Asynchronous and Selective Optimization (Coquelin et al., J. Big Data 2022; heat's ``DASO``), step by
+step as heat's ``DASO.step`` and ``epoch_loss_logic`` decide it. ``N`` is the number of nodes, ``R`` the ranks per
+node, ``b`` the step in the epoch (0-based), ``L`` the epoch's last step.
 
-- Node level: gradients are averaged inside each node (shared memory, or a torch.distributed group) on every step
-  (every ``local_skip``-th step when ``local_skip > 1``).
-- Phases, decided per epoch: ``warmup_epochs`` and the last ``cooldown_epochs`` epochs average the model across
-  nodes after every step, blocking (in ``downcast`` precision). In between, the *cycling* phase: after step ``b``
-  of an epoch with ``b % global_skip == 0`` (and after its last step) the model is sent (a non-blocking
-  allreduce among the node leaders, in chunks of ``sending_chunk_size`` elements), and it is received
-  ``B = batches_to_wait`` steps later (never later than the epoch's last step) and merged with heat's staleness
-  weights, ``N`` being the number of nodes:
+- Phases, one per epoch: the first ``warmup_epochs`` and the last ``cooldown_epochs`` epochs are *blocking* (the
+  model is averaged across nodes after every step, sent in ``downcast`` precision); the epochs between *cycle*
+  with the skips ``global_skip`` (``gs``), ``local_skip`` (``ls``) and ``batches_to_wait`` (``w``).
+- Cycling step ``b``, with ``w_b = min(w, L - b)`` (heat clips the wait again at every step) and ``k = b % gs``:
 
-      x <- (2B x + N x_bar_stale) / (N + 2B)        (x <- x_bar when B = 0)
+  * ``k == 0`` or ``b == L``: the model is sent (the mean over the nodes, a non-blocking allreduce among the node
+    leaders, in chunks of ``sending_chunk_size`` elements, in full precision: heat downcasts only in the blocking
+    phases). On ``b == L`` or with ``w == 0`` it is received at once and replaces the model (blocking); a send
+    still in flight is dropped. Otherwise a send still in flight is merged now and this one waits.
+  * ``0 < k == w_b`` (and ``(b + 1) % gs != 0``): the send in flight is received and merged with heat's staleness
+    weights, ``B`` being ``w_b`` at the send:
 
-  where ``x_bar_stale`` is the mean over all ranks of the state sent ``B`` steps earlier. The epoch's last step
-  always ends with a blocking average (a send still in flight is completed and dropped, as in heat).
-- Adaptation at each epoch's end (heat's ``epoch_loss_logic``): the epoch's training loss, averaged over all
-  ranks, feeds a plateau detector (patience 2, relative threshold ``stability_level``); on a plateau
-  ``global_skip`` and ``local_skip`` are divided by ``skip_reduction_factor`` and ``batches_to_wait`` decreases
-  by one (at least 1 while ``global_skip > 0``); at ``global_skip == 1`` they are reset to ``max_global_skips``,
-  ``max_global_skips // local_skip_factor`` and ``max_global_skips // local_skip_factor``.
+        x <- (2B x + N x_bar_stale) / (N + 2B)        (2B replaced by 1 when B = 0)
 
-Differences from heat, on purpose: the model state averaged is every trainable parameter of every parameter group
-plus the floating-point buffers (heat: ``param_groups[0]`` only, no BatchNorm statistics); ``downcast_all_phases``
-also compresses the cycling phase's sends (heat compresses only its blocking phases); with ``warmup_epochs=0``
-cycling starts at the first epoch (heat would stay blocking); the node leaders send (heat rotates the sending
-local rank); the whole state, the plateau detector and a send in flight (completed, its mean kept) go into the
-checkpoint; the epoch loss comes from the training loop (nothing to call by hand).
+    A send whose ``k`` never meets ``w_b`` (near the epoch's end, or ``w >= gs``) is merged at the next send or
+    dropped on ``L``.
+  * Node-local gradient averaging (heat's DDP ``require_backward_grad_sync``) is a switch that persists from step
+    to step: switched on for the step before a send, for the last step and, with ``ls == 1``, for every step;
+    with ``ls > 1`` switched off at a merge and after steps with ``b % ls == 0``, on again after steps with
+    ``(b + 1) % ls == 0``.
+- Which rank of a node sends: heat rotates it (local rank ``0, 1, ..., R - 1``, back to 0 at each epoch's end),
+  and at a merge and at a send the node takes the model of the rank that sent before (heat's broadcast inside the
+  node). Until a step runs without node-local averaging, all ranks of a node hold the same model and optimizer
+  state: the broadcast is skipped and the node's mean is sent (the same parameters; the BatchNorm statistics of
+  every rank).
+- Adaptation at each epoch's end (``epoch_loss_logic``): the epoch's training loss, averaged over the ranks (NaN if
+  any rank's is), feeds a plateau detector (patience 2, relative threshold ``stability_level``; a NaN loss is a bad
+  epoch) when the next epoch cycles; on a plateau ``gs`` and ``ls`` are divided by ``skip_reduction_factor`` and
+  ``w`` decreases by one (``w`` and ``ls`` at least 1 while ``gs > 0``); at ``gs == 1`` they are reset to
+  ``max_global_skips``, ``max_global_skips // local_skip_factor`` and ``max_global_skips // local_skip_factor``.
+- Every average received is checked: a parameter that was not finite when sent (NaN or infinity; heat checks the
+  sender's NaNs) raises :class:`FloatingPointError` on every rank (every rank holds the same mean), unless
+  ``check_finite=False``.
+
+The decisions are a pure function of the state (:func:`plan_step`, :func:`epoch_phase`, :func:`adapt_skips`);
+:class:`DASO` carries them out.
+
+Differences from heat, on purpose: the averaged state is every parameter that requires a gradient plus the
+floating-point buffers (heat: the parameters that require a gradient; BatchNorm statistics are left alone);
+``downcast_all_phases`` also sends the cycling phase's models in ``downcast`` precision; with ``warmup_epochs=0``
+cycling starts at the first epoch (heat would stay blocking); with one rank per node a send in flight is merged by
+the rules above (heat needs several GPUs per node); the sending rank's model reaches the node leader through the
+node sum (the leaders send; the bytes between nodes are the same); the schedule, the plateau detector and a send
+in flight (completed, its mean kept) go into the checkpoint; the epoch loss comes from the training loop (nothing
+to call by hand); the initial skips are options (heat: 4, 1, 1).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 import torch
@@ -44,12 +66,66 @@ from mpistrategy.sync.averaging import Averaging, ModelAverager
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 from mpistrategy.sync.levels import NodeMeanAggregator
 from mpistrategy.sync.local_sgd import check_positive
-from mpistrategy.sync.transport import node_transport
+from mpistrategy.sync.transport import NodeTransport, node_transport
 
 log = logging.getLogger(__name__)
 
 DOWNCAST_TYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": None, None: None}
-WARMUP, CYCLING, COOLDOWN = "warmup", "cycling", "cooldown"
+#: the layout of :meth:`DASO.state_dict`; checkpoints of layout 1 (no ``version`` key) are converted on loading
+STATE_VERSION = 2
+
+
+class Phase(str, Enum):
+    """The phase of an epoch."""
+
+    WARMUP = "warmup"
+    CYCLING = "cycling"
+    COOLDOWN = "cooldown"
+
+    @property
+    def blocking(self) -> bool:
+        """Whether the model is averaged across nodes after every step, blocking."""
+        return self is not Phase.CYCLING
+
+
+@dataclass(frozen=True)
+class Skips:
+    """The cycling schedule: steps between sends, node-local averaging period, steps between a send and its merge.
+    All zero in the blocking phases."""
+
+    global_skip: int
+    local_skip: int
+    batches_to_wait: int
+
+
+BLOCKING = Skips(0, 0, 0)
+
+
+def epoch_phase(epoch: int, total_epochs: int | None, warmup_epochs: int, cooldown_epochs: int) -> Phase:
+    """The phase of ``epoch`` (0-based) in a run of ``total_epochs`` (``None``: unknown, no cool-down)."""
+    if epoch < warmup_epochs:
+        return Phase.WARMUP
+    if total_epochs is not None and epoch >= total_epochs - cooldown_epochs:
+        return Phase.COOLDOWN
+    return Phase.CYCLING
+
+
+def adapt_skips(skips: Skips, plateaued: bool, max_global_skips: int, reduction: int, local_factor: int) -> Skips:
+    """heat's adaptation of the cycling schedule after an epoch: on a plateau divide ``global_skip`` and
+    ``local_skip`` by ``reduction`` and decrease ``batches_to_wait`` by one (both at least 1 while
+    ``global_skip > 0``); at ``global_skip == 1`` reset to ``max_global_skips`` and ``max_global_skips //
+    local_factor`` (twice)."""
+    if not plateaued:
+        return skips
+    if skips.global_skip > 1:
+        gs, ls, wait = skips.global_skip // reduction, skips.local_skip // reduction, skips.batches_to_wait - 1
+        if gs > 0:
+            ls, wait = max(ls, 1), max(wait, 1)
+        return Skips(gs, ls, wait)
+    if skips.global_skip == 1:
+        reset = max_global_skips // local_factor
+        return Skips(max_global_skips, reset, reset)
+    return skips
 
 
 @dataclass
@@ -57,8 +133,8 @@ class PlateauDetector:
     """Whether a loss has stopped improving (heat's ``DetectMetricPlateau`` in ``min``/``rel`` mode).
 
     A loss improves when it is below ``best * (1 - threshold)`` (``best * (1 + threshold)`` for a negative
-    best). After more than ``patience`` epochs without improvement :meth:`plateaued` answers ``True`` once and
-    starts counting afresh.
+    best); a NaN loss never improves. After more than ``patience`` epochs without improvement :meth:`plateaued`
+    answers ``True`` once and starts counting afresh.
     """
 
     patience: int = 2
@@ -83,22 +159,23 @@ class DASOState:
     """Everything DASO needs to continue a run exactly (all of it goes into the checkpoint).
 
     Attributes:
-        phase: ``"warmup"``, ``"cycling"`` or ``"cooldown"``.
-        global_skip: steps between two sends (0 in the blocking phases).
-        local_skip: node-local gradient averaging every ``local_skip`` steps (0 or 1: every step).
-        batches_to_wait: steps between a send and its merge.
+        phase: the current epoch's phase.
+        cycle: the cycling schedule (in force in cycling epochs; adapted at the end of each epoch followed by one).
         epoch: the current epoch; ``step_in_epoch``: optimizer steps done in it; ``steps_in_epoch``: its length;
-            ``epoch_ended``: its end was processed (the schedule of the next epoch is set).
+            ``total_epochs``: the run's length; ``epoch_ended``: its end was processed.
         loss_sum, loss_count: this rank's training losses of the current epoch.
         plateau: the plateau detector.
-        pending_due, pending_wait: the step at which the send in flight is merged, and its ``B``.
+        local_sync: whether the next step averages gradients inside the node.
+        node_diverged: whether some step ran without node-local gradient averaging: from then on the ranks of a
+            node may hold different models and optimizer states, and heat's sending rank and broadcast apply.
+        sender: the rank of each node whose model the next send carries; ``previous_sender``: that of the last
+            non-blocking send of this epoch (``None``: none).
+        pending_wait, pending_step: ``B`` and the step of the send in flight (``None``: none in flight).
         syncs: counts of blocking averages, sends and merges so far.
     """
 
-    phase: str = WARMUP
-    global_skip: int = 0
-    local_skip: int = 0
-    batches_to_wait: int = 0
+    phase: Phase = Phase.WARMUP
+    cycle: Skips = Skips(4, 1, 1)
     epoch: int = 0
     step_in_epoch: int = 0
     steps_in_epoch: int | None = None
@@ -107,9 +184,125 @@ class DASOState:
     loss_sum: float = 0.0
     loss_count: int = 0
     plateau: PlateauDetector = field(default_factory=PlateauDetector)
-    pending_due: int | None = None
-    pending_wait: int = 0
+    local_sync: bool = True
+    node_diverged: bool = False
+    sender: int = 0
+    previous_sender: int | None = None
+    pending_wait: int | None = None
+    pending_step: int | None = None
     syncs: dict[str, int] = field(default_factory=lambda: {"blocking": 0, "sent": 0, "merged": 0})
+
+    @property
+    def skips(self) -> Skips:
+        """The schedule in force: zeros in the blocking phases."""
+        return BLOCKING if self.phase.blocking else self.cycle
+
+
+@dataclass(frozen=True)
+class Send:
+    """Average the model across nodes: ``source`` is the rank of each node whose model is sent (``None``: the
+    node's mean, all its ranks holding the same model), ``downcast`` whether it travels in the ``downcast`` dtype,
+    ``wait`` its ``B``."""
+
+    source: int | None
+    downcast: bool
+    wait: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What DASO does after an optimizer step, in this order: ``send``; then either ``blocking`` (receive that send
+    at once and replace the model; a send in flight is dropped) or ``broadcast_from`` (every rank of the node takes
+    the model of this rank) and ``merge`` (merge the send in flight with heat's weights), the new send staying in
+    flight. The remaining fields are the state for the next step."""
+
+    send: Send | None = None
+    blocking: bool = False
+    broadcast_from: int | None = None
+    merge: bool = False
+    local_sync: bool = True
+    node_diverged: bool = False
+    sender: int = 0
+    previous_sender: int | None = None
+
+
+def plan_step(state: DASOState, ranks_per_node: int, downcast_all_phases: bool = False) -> StepPlan:
+    """heat's ``DASO.step`` decisions after step ``state.step_in_epoch``: a pure function of the state."""
+    gs, ls, wait = state.skips.global_skip, state.skips.local_skip, state.skips.batches_to_wait
+    step, steps = state.step_in_epoch, state.steps_in_epoch
+    last_step = None if steps is None else steps - 1
+    is_last = last_step is not None and step >= last_step
+    next_is_last = last_step is not None and step + 1 == last_step
+    k = step % gs if gs > 0 else 0
+    wait_now = wait if last_step is None or wait + step <= last_step else max(last_step - step, 0)
+    diverged = ranks_per_node > 1 and (state.node_diverged or not state.local_sync)
+    broadcast = state.previous_sender if diverged else None
+    pending = state.pending_wait is not None
+    if is_last or k == 0:
+        send = Send(state.sender if diverged else None, gs == 0 or downcast_all_phases, wait_now)
+        following = 0 if is_last else (state.sender + 1) % ranks_per_node
+        if is_last or wait == 0:
+            return StepPlan(send, blocking=True, local_sync=state.local_sync, node_diverged=diverged, sender=following)
+        return StepPlan(
+            send,
+            broadcast_from=broadcast,
+            merge=pending,
+            local_sync=state.local_sync,
+            node_diverged=diverged,
+            sender=following,
+            previous_sender=state.sender,
+        )
+    local_sync, receive = state.local_sync, False
+    if (step + 1) % gs == 0:
+        local_sync = True
+    elif k < wait_now:
+        local_sync = local_sync or next_is_last
+    else:
+        receive = k == wait_now
+        if receive and ls > 1:
+            local_sync = False
+        if ls == 1 and not next_is_last:
+            local_sync = True
+        else:
+            if ls == 0 or step % ls == 0:
+                local_sync = False
+            elif (step + 1) % ls == 0:
+                local_sync = True
+            local_sync = local_sync or next_is_last
+    return StepPlan(
+        None,
+        broadcast_from=broadcast if receive else None,
+        merge=receive and pending,
+        local_sync=local_sync,
+        node_diverged=diverged,
+        sender=state.sender,
+        previous_sender=state.previous_sender,
+    )
+
+
+def advance(state: DASOState, plan: StepPlan) -> None:
+    """Record in ``state`` what ``plan`` did after step ``state.step_in_epoch``, and move to the next step."""
+    if plan.blocking:
+        state.pending_wait = state.pending_step = None
+        state.syncs["blocking"] += 1
+    else:
+        if plan.merge:
+            state.pending_wait = state.pending_step = None
+            state.syncs["merged"] += 1
+        if plan.send is not None:
+            state.pending_wait, state.pending_step = plan.send.wait, state.step_in_epoch
+            state.syncs["sent"] += 1
+    state.local_sync, state.node_diverged = plan.local_sync, plan.node_diverged
+    state.sender, state.previous_sender = plan.sender, plan.previous_sender
+    state.step_in_epoch += 1
+
+
+def merge_weights(wait: int, nodes: int) -> tuple[float, float]:
+    """heat's staleness weights ``(own, other)`` of ``x <- own x + other x_bar``: ``2B / (N + 2B)`` and
+    ``N / (N + 2B)``, with ``2B`` replaced by 1 when ``B = 0``."""
+    numerator = 2.0 * wait if wait > 0 else 1.0
+    denominator = nodes + numerator
+    return numerator / denominator, nodes / denominator
 
 
 class DASO(SyncMode):
@@ -120,7 +313,7 @@ class DASO(SyncMode):
         cooldown_epochs: epochs of blocking averaging after every step at the end (>= 0).
         global_skip: steps between sends when cycling starts (heat: 4).
         batches_to_wait: steps between a send and its merge when cycling starts (heat: 1).
-        local_skip: node-local gradient averaging every ``local_skip`` steps when cycling starts (heat: 1).
+        local_skip: node-local gradient averaging period when cycling starts (heat: 1, every step).
         max_global_skips: the value ``global_skip`` is reset to after it reached 1 on a plateau (heat: 8).
         stability_level: the plateau detector's relative threshold (heat: 0.05).
         skip_reduction_factor: divides the skips on a plateau (heat: 2).
@@ -129,7 +322,10 @@ class DASO(SyncMode):
         sending_chunk_size: the most elements per inter-node message (heat: 10 000 000).
         downcast: ``"bfloat16"`` (heat), ``"float16"`` or ``None``/``"float32"``: the precision of the blocking
             phases' inter-node averages.
-        downcast_all_phases: also send the cycling phase's models in ``downcast`` precision.
+        downcast_all_phases: also send the cycling phase's models in ``downcast`` precision (heat: no; it halves
+            the bytes between nodes but rounds the model to ``downcast`` at every cycling epoch's end).
+        check_finite: raise :class:`FloatingPointError` on every rank when an average received holds a value that
+            is not finite (heat raises on NaN); ``False`` lets it through.
     """
 
     name = "daso"
@@ -151,6 +347,7 @@ class DASO(SyncMode):
         sending_chunk_size: int = 10_000_000,
         downcast: str | None = "bfloat16",
         downcast_all_phases: bool = False,
+        check_finite: bool = True,
     ) -> None:
         self.warmup_epochs = check_positive(self.name, "warmup_epochs", warmup_epochs, minimum=0)
         self.cooldown_epochs = check_positive(self.name, "cooldown_epochs", cooldown_epochs, minimum=0)
@@ -169,22 +366,21 @@ class DASO(SyncMode):
             raise SyncConfigurationError(f"daso: downcast={downcast!r} is not one of {valid}.")
         self.downcast = DOWNCAST_TYPES[downcast]
         self.downcast_all_phases = bool(downcast_all_phases)
+        self.check_finite = bool(check_finite)
         self.state = self._initial_state()
+        self.transport: NodeTransport | None = None
+        self.node_mean: NodeMeanAggregator | None = None
+        self.averager: ModelAverager | None = None
         self._pending: Averaging | None = None
 
-    def _initial_state(self) -> DASOState:
-        state = DASOState(plateau=PlateauDetector(threshold=self.stability_level))
-        if self.warmup_epochs == 0:
-            self._enter_cycling(state)
-        return state
+    @property
+    def initial_skips(self) -> Skips:
+        """The cycling schedule of the first cycling epoch (before the plateau detector's first answer)."""
+        return Skips(self.global_skip, self.local_skip, self.batches_to_wait)
 
-    def _enter_cycling(self, state: DASOState) -> None:
-        state.phase = CYCLING
-        state.global_skip, state.local_skip, state.batches_to_wait = (
-            self.global_skip,
-            self.local_skip,
-            self.batches_to_wait,
-        )
+    def _initial_state(self) -> DASOState:
+        phase = epoch_phase(0, None, self.warmup_epochs, self.cooldown_epochs)
+        return DASOState(phase=phase, cycle=self.initial_skips, plateau=PlateauDetector(threshold=self.stability_level))
 
     # --------------------------------------------------------------------------------------------- setup
 
@@ -206,21 +402,24 @@ class DASO(SyncMode):
         self.node_mean = NodeMeanAggregator(self.transport)
         self.averager = ModelAverager(context.module, topology, context.traffic, "nodes", self.sending_chunk_size)
 
+    def _parts(self) -> tuple[NodeMeanAggregator, ModelAverager]:
+        if self.node_mean is None or self.averager is None:
+            raise RuntimeError("DASO.setup() was not called.")
+        return self.node_mean, self.averager
+
     def setup_buckets(self, buckets: list[GradBucket]) -> None:
-        topology = self.ctx.topology
-        self.node_mean.setup(self.aggregation_context(buckets, topology.node_gradients, spans_nodes=False))
+        node_mean, _ = self._parts()
+        node_mean.setup(self.aggregation_context(buckets, self.ctx.topology.node_gradients, spans_nodes=False))
 
     # --------------------------------------------------------------------------------------------- steps
 
     def gradient_aggregator(self) -> Aggregator | None:
-        skip = self.state.local_skip
-        if skip <= 1 or self.state.step_in_epoch % skip == 0:
-            return self.node_mean
-        return None
+        node_mean, _ = self._parts()
+        return node_mean if self.state.local_sync else None
 
     def begin_epoch(self, epoch: int, steps: int | None, total_epochs: int | None) -> None:
-        """Start ``epoch``; a run resumed inside ``epoch`` keeps its step count, and one resumed after an epoch
-        whose end was not yet processed processes it first."""
+        """Start ``epoch`` in its phase; a run resumed inside ``epoch`` keeps its step count, and one resumed after
+        an epoch whose end was not yet processed processes it first."""
         state = self.state
         state.steps_in_epoch, state.total_epochs = steps, total_epochs
         if epoch == state.epoch and state.step_in_epoch > 0:
@@ -228,62 +427,58 @@ class DASO(SyncMode):
         if epoch > state.epoch and not state.epoch_ended and state.step_in_epoch > 0:
             self.end_epoch()
         state.epoch, state.step_in_epoch, state.epoch_ended = epoch, 0, False
-        if total_epochs is not None and self.cooldown_epochs and epoch >= total_epochs - self.cooldown_epochs:
-            self._enter_blocking(COOLDOWN)
-
-    def _enter_blocking(self, phase: str) -> None:
-        state = self.state
-        state.phase, state.global_skip, state.local_skip, state.batches_to_wait = phase, 0, 0, 0
+        state.phase = epoch_phase(epoch, total_epochs, self.warmup_epochs, self.cooldown_epochs)
 
     def record_loss(self, loss: float) -> None:
         self.state.loss_sum += float(loss)
         self.state.loss_count += 1
 
     def after_optimizer_step(self) -> None:
-        state = self.state
-        step = state.step_in_epoch
-        last = state.steps_in_epoch is not None and step >= state.steps_in_epoch - 1
-        if state.global_skip == 0:
-            self._blocking_average()
-        elif step % state.global_skip == 0 or last:
-            wait = state.batches_to_wait
-            if state.steps_in_epoch is not None:
-                wait = min(wait, state.steps_in_epoch - 1 - step)
-            if wait <= 0 or last:
-                self._drop_pending()
-                self._blocking_average()
-            else:
-                previous, previous_wait = self._pending, state.pending_wait
-                self._pending = self.averager.start(self.downcast if self.downcast_all_phases else None)
-                state.syncs["sent"] += 1
-                if previous is not None:
-                    self._merge(previous, previous_wait)
-                state.pending_due, state.pending_wait = step + wait, wait
-        elif self._pending is not None and state.pending_due is not None and step >= state.pending_due:
-            pending, self._pending = self._pending, None
-            self._merge(pending, state.pending_wait)
-            state.pending_due = None
-        state.step_in_epoch += 1
+        plan = plan_step(self.state, self.ctx.topology.local_size, self.downcast_all_phases)
+        self._apply(plan)
+        advance(self.state, plan)
 
-    def _blocking_average(self) -> None:
-        self.averager.assign(self.averager.average(self.downcast))
-        self.state.syncs["blocking"] += 1
+    def _apply(self, plan: StepPlan) -> None:
+        """Carry out ``plan``'s communication and model updates (see :class:`StepPlan` for the order)."""
+        _, averager = self._parts()
+        step = self.state.step_in_epoch
+        sent = None
+        if plan.send is not None:
+            sent = averager.start(self.downcast if plan.send.downcast else None, plan.send.source)
+        if plan.blocking:
+            assert sent is not None
+            self._drop_pending()
+            averager.assign(self._received(sent, step))
+            return
+        if plan.broadcast_from is not None:
+            averager.broadcast_in_node(plan.broadcast_from)
+        if plan.merge and self._pending is not None and self.state.pending_wait is not None:
+            own, other = merge_weights(self.state.pending_wait, self.ctx.topology.num_nodes)
+            averager.merge(self._received(self._pending, self.state.pending_step), own=own, other=other)
+            self._pending = None
+        if sent is not None:
+            self._pending = sent
+
+    def _received(self, averaging: Averaging, sent_at: int | None) -> list[torch.Tensor]:
+        """The mean of ``averaging``, checked to be finite (the same on every rank, so every rank raises)."""
+        mean = averaging.result()
+        if self.check_finite:
+            bad = sum(int((~torch.isfinite(flat)).sum()) for flat in mean)
+            if bad:
+                raise FloatingPointError(
+                    f"daso: the model averaged across nodes (sent at step {sent_at} of epoch {self.state.epoch}) "
+                    f"holds {bad} values that are NaN or infinite: a rank's parameters were not finite when sent "
+                    "(the loss diverged: lower the learning rate or clip the gradients; check_finite=False lets "
+                    "it through)."
+                )
+        return mean
 
     def _drop_pending(self) -> None:
+        """Complete the send in flight (checked) without merging it."""
         if self._pending is not None:
-            self._pending.result()
+            self._received(self._pending, self.state.pending_step)
             self._pending = None
-        self.state.pending_due = None
-
-    def _merge(self, pending: Averaging, wait: int) -> None:
-        """``x <- (2B x + N x_bar) / (N + 2B)``, heat's staleness weights (``B = wait``; ``2B`` is 1 when B = 0)."""
-        nodes = self.ctx.topology.num_nodes
-        numerator = 2.0 * wait if wait > 0 else 1.0
-        denominator = nodes + numerator
-        self.averager.merge(pending.result(), own=numerator / denominator, other=nodes / denominator)
-        if self.state.local_skip > 1:
-            self.averager.equalize_in_node()
-        self.state.syncs["merged"] += 1
+        self.state.pending_wait = self.state.pending_step = None
 
     # --------------------------------------------------------------------------------------------- epochs
 
@@ -292,73 +487,82 @@ class DASO(SyncMode):
         state = self.state
         if state.epoch_ended:
             return
-        mean = self._mean_epoch_loss()
+        loss = self._mean_epoch_loss()
         state.loss_sum, state.loss_count, state.epoch_ended = 0.0, 0, True
-        self.schedule_next_epoch(mean)
+        self.schedule_next_epoch(loss)
 
-    def _mean_epoch_loss(self) -> float:
+    def _mean_epoch_loss(self) -> float | None:
+        """The mean over the ranks of each rank's mean loss in the epoch (NaN if any is NaN; ranks without a loss
+        left out; ``None`` if no rank recorded one)."""
         state = self.state
-        local = state.loss_sum / state.loss_count if state.loss_count else math.nan
+        local = state.loss_sum / state.loss_count if state.loss_count else None
         control = self.ctx.topology.control
-        values = control.allgather(local) if control.Get_size() > 1 else [local]
-        finite = [v for v in values if not math.isnan(v)]
-        return sum(finite) / len(finite) if finite else math.nan
+        values = [v for v in (control.allgather(local) if control.Get_size() > 1 else [local]) if v is not None]
+        return sum(values) / len(values) if values else None
 
-    def schedule_next_epoch(self, loss: float) -> None:
-        """Set the phase and skips of the epoch after ``state.epoch`` from its mean loss ``loss``."""
+    def schedule_next_epoch(self, loss: float | None) -> None:
+        """Adapt the cycling schedule after epoch ``state.epoch`` with mean loss ``loss`` when the next epoch
+        cycles (``None``: no loss was recorded, the plateau detector is not fed)."""
         state = self.state
-        upcoming = state.epoch + 1
-        if upcoming < self.warmup_epochs:
-            self._enter_blocking(WARMUP)
-            return
-        if upcoming == self.warmup_epochs:
-            self._enter_cycling(state)
-        if state.total_epochs is not None and upcoming >= state.total_epochs - self.cooldown_epochs:
-            self._enter_blocking(COOLDOWN)
-            return
-        plateau = not math.isnan(loss) and state.plateau.plateaued(loss)
-        factor = self.skip_reduction_factor
-        if plateau and state.global_skip > 1:
-            state.global_skip //= factor
-            state.local_skip //= factor
-            state.batches_to_wait -= 1
-            if state.global_skip > 0:
-                state.batches_to_wait = max(state.batches_to_wait, 1)
-                state.local_skip = max(state.local_skip, 1)
-        elif plateau and state.global_skip == 1:
-            state.global_skip = self.max_global_skips
-            state.local_skip = self.max_global_skips // self.local_skip_factor
-            state.batches_to_wait = self.max_global_skips // self.local_skip_factor
-        log.info(
-            "daso: epoch %d: loss %.4f, next: %s, global_skip %d, local_skip %d, batches_to_wait %d",
-            state.epoch,
-            loss,
-            state.phase,
-            state.global_skip,
-            state.local_skip,
-            state.batches_to_wait,
-        )
+        upcoming = epoch_phase(state.epoch + 1, state.total_epochs, self.warmup_epochs, self.cooldown_epochs)
+        if upcoming is Phase.CYCLING:
+            plateaued = loss is not None and state.plateau.plateaued(loss)
+            state.cycle = adapt_skips(
+                state.cycle, plateaued, self.max_global_skips, self.skip_reduction_factor, self.local_skip_factor
+            )
+        log.info("daso: epoch %d: loss %s, next: %s, cycling skips %s", state.epoch, loss, upcoming.value, state.cycle)
 
     def finish(self) -> None:
         self._drop_pending()
-        self.averager.close()
+        if self.averager is not None:
+            self.averager.close()
 
     # ---------------------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         """The state, with a send in flight completed: its mean (the same on every rank) is stored."""
         state = asdict(self.state)
+        state["phase"] = self.state.phase.value
+        state["version"] = STATE_VERSION
         state["pending_mean"] = [t.clone() for t in self._pending.result()] if self._pending is not None else None
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         pending = state.pop("pending_mean")
+        version = state.pop("version", 1)
+        if version == 1:
+            state = self._from_layout_1(state, pending is not None)
+        elif version != STATE_VERSION:
+            raise ValueError(
+                f"daso: the checkpoint's state has layout {version}; this version reads layouts 1 and "
+                f"{STATE_VERSION}: resume with the mpistrategy version that wrote it."
+            )
+        unknown = set(state) - {f.name for f in fields(DASOState)}
+        if unknown:
+            raise ValueError(f"daso: the checkpoint's state has unknown fields {sorted(unknown)}.")
+        state["phase"] = Phase(state["phase"])
+        state["cycle"] = Skips(**state["cycle"])
         state["plateau"] = PlateauDetector(**state["plateau"])
         self.state = DASOState(**state)
         self._pending = None
         if pending is not None:
-            self._pending = Averaging(self.averager, [t.clone() for t in pending], [], done=True)
+            _, averager = self._parts()
+            self._pending = Averaging(averager, [t.clone() for t in pending], [], done=True)
+
+    def _from_layout_1(self, state: dict[str, Any], pending: bool) -> dict[str, Any]:
+        """A checkpoint without ``version``: the skips in force instead of the cycling schedule, the step of the
+        merge instead of heat's per-step rule, no node-local switch or sender."""
+        state = dict(state)
+        skips = Skips(state.pop("global_skip"), state.pop("local_skip"), state.pop("batches_to_wait"))
+        state["cycle"] = asdict(skips if state["phase"] == Phase.CYCLING.value else self.initial_skips)
+        due = state.pop("pending_due")
+        state["pending_wait"] = state["pending_wait"] if pending else None
+        state["pending_step"] = None if due is None or not pending else due - state["pending_wait"]
+        state["local_sync"] = skips.local_skip <= 1 or state["step_in_epoch"] % skips.local_skip == 0
+        state["node_diverged"] = skips.local_skip > 1
+        state["previous_sender"] = 0 if pending else None
+        return state
 
     def __repr__(self) -> str:
         return (
