@@ -447,21 +447,23 @@ class DASO(SyncMode):
             sent = averager.start(self.downcast if plan.send.downcast else None, plan.send.source)
         if plan.blocking:
             assert sent is not None
-            self._drop_pending()
-            averager.assign(self._received(sent, step))
+            pending, self._pending = self._pending, None
+            mean = sent.result()
+            if pending is not None:  # dropped, checked
+                self._check(pending.result(), self.state.pending_step)
+            averager.assign(self._check(mean, step))
             return
         if plan.broadcast_from is not None:
             averager.broadcast_in_node(plan.broadcast_from)
         if plan.merge and self._pending is not None and self.state.pending_wait is not None:
+            pending, self._pending = self._pending, None
             own, other = merge_weights(self.state.pending_wait, self.ctx.topology.num_nodes)
-            averager.merge(self._received(self._pending, self.state.pending_step), own=own, other=other)
-            self._pending = None
+            averager.merge(self._check(pending.result(), self.state.pending_step), own=own, other=other)
         if sent is not None:
             self._pending = sent
 
-    def _received(self, averaging: Averaging, sent_at: int | None) -> list[torch.Tensor]:
-        """The mean of ``averaging``, checked to be finite (the same on every rank, so every rank raises)."""
-        mean = averaging.result()
+    def _check(self, mean: list[torch.Tensor], sent_at: int | None) -> list[torch.Tensor]:
+        """``mean``, an average received, checked to be finite (the same on every rank, so every rank raises)."""
         if self.check_finite:
             bad = sum(int((~torch.isfinite(flat)).sum()) for flat in mean)
             if bad:
@@ -472,13 +474,6 @@ class DASO(SyncMode):
                     "it through)."
                 )
         return mean
-
-    def _drop_pending(self) -> None:
-        """Complete the send in flight (checked) without merging it."""
-        if self._pending is not None:
-            self._received(self._pending, self.state.pending_step)
-            self._pending = None
-        self.state.pending_wait = self.state.pending_step = None
 
     # --------------------------------------------------------------------------------------------- epochs
 
@@ -513,7 +508,11 @@ class DASO(SyncMode):
         log.info("daso: epoch %d: loss %s, next: %s, cycling skips %s", state.epoch, loss, upcoming.value, state.cycle)
 
     def finish(self) -> None:
-        self._drop_pending()
+        """Complete a send in flight (dropped: training ended) and free the shared memory (collective)."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        self.state.pending_wait = self.state.pending_step = None
         if self.averager is not None:
             self.averager.close()
 

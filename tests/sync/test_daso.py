@@ -211,7 +211,7 @@ def _gradient(x: torch.Tensor, rank: int, step: int) -> torch.Tensor:
 
 
 def _node_mean(topo: Topology, value: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(topo.node_comm.allreduce(value.tolist()), dtype=torch.float64) / topo.local_size
+    return topo.node_comm.allreduce(value) / topo.local_size
 
 
 @dataclass
@@ -358,11 +358,13 @@ def _delta(node: int, step: int) -> float:
 
 @pytest.mark.mpi(ranks=(4,), timeout=60)
 def test_steps_send_merge_and_block_with_heats_weights() -> None:
-    """2 nodes of 2: the parameter after each step equals heat's merge of the stale mean, step by step."""
+    """2 nodes of 2, global_skip 4, batches_to_wait 2, 8 steps: the send of step 0 is merged at step 2 with heat's
+    weights; the send of step 4 would be due at step 6, but heat clips the wait there to the 1 step left, so it is
+    not merged and the last step's blocking average drops it."""
     topo = topology(ranks_per_node=2)
     module = nn.Linear(3, 1, bias=False).double()
     nn.init.zeros_(module.weight)
-    daso = DASO(warmup_epochs=0, cooldown_epochs=0, global_skip=3, batches_to_wait=2, downcast=None)
+    daso = DASO(warmup_epochs=0, cooldown_epochs=0, global_skip=4, batches_to_wait=2, downcast=None)
     daso.setup(SyncContext(module, topo, MeanAggregator()))
     steps, nodes, wait = 8, topo.num_nodes, 2
     daso.begin_epoch(0, steps, total_epochs=None)
@@ -376,14 +378,14 @@ def test_steps_send_merge_and_block_with_heats_weights() -> None:
         after = float(module.weight[0, 0])
         if step == steps - 1:  # the epoch's last step: a blocking average (the send in flight is dropped)
             assert after == pytest.approx(mean, abs=1e-12)
-        elif step % 3 == 0:  # a send; nothing is merged on this step
+        elif step % 4 == 0:  # a send; nothing is merged on this step
             sent[step] = mean
             assert after == before
-        elif step - wait in sent:  # received B = 2 steps after the send: x <- (2B x + N x_bar) / (N + 2B)
-            want = (2 * wait * before + nodes * sent[step - wait]) / (nodes + 2 * wait)
+        elif step == 2:  # received B = 2 steps after the send: x <- (2B x + N x_bar) / (N + 2B)
+            want = (2 * wait * before + nodes * sent[0]) / (nodes + 2 * wait)
             assert after == pytest.approx(want, abs=1e-12)
         else:
             assert after == before
         assert torch.equal(module.weight, module.weight.flatten()[0].expand_as(module.weight))
-    assert daso.state.syncs == {"blocking": 1, "sent": 3, "merged": 2}
+    assert daso.state.syncs == {"blocking": 1, "sent": 2, "merged": 1}
     daso.finish()
