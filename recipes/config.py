@@ -161,6 +161,7 @@ class DASOStrategyConf(MPIADStrategyConf):
     sending_chunk_size: int = 10_000_000
     downcast: Downcast | None = Downcast.bfloat16  # type: ignore[attr-defined,valid-type]
     downcast_all_phases: bool = False
+    check_finite: bool = True
 
 
 @dataclass
