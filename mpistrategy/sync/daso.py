@@ -21,9 +21,9 @@ node, ``b`` the step in the epoch (0-based), ``L`` the epoch's last step.
     A send whose ``k`` never meets ``w_b`` (near the epoch's end, or ``w >= gs``) is merged at the next send or
     dropped on ``L``.
   * Node-local gradient averaging (heat's DDP ``require_backward_grad_sync``) is a switch that persists from step
-    to step: switched on for the step before a send, for the last step and, with ``ls == 1``, for every step;
-    with ``ls > 1`` switched off at a merge and after steps with ``b % ls == 0``, on again after steps with
-    ``(b + 1) % ls == 0``.
+    to step, left as it is by a send: switched on for a step that sends (``(b + 1) % gs == 0``) and for the
+    last step; with ``ls == 1`` on for every step after the wait; with ``ls > 1`` off after a merge and after
+    steps with ``b % ls == 0``, on after steps with ``(b + 1) % ls == 0`` (docs/daso.md has the exact order).
 - Which rank of a node sends: heat rotates it (local rank ``0, 1, ..., R - 1``, back to 0 at each epoch's end),
   and at a merge and at a send the node takes the model of the rank that sent before (heat's broadcast inside the
   node). Until a step runs without node-local averaging, all ranks of a node hold the same model and optimizer
