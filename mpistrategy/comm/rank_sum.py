@@ -8,12 +8,11 @@ buffer, so an output may be one of the inputs (a block is read whole before it i
 IEEE operations in the same order as that torch chain (no reassociation, no fused multiply-add:
 ``-ffp-contract=off``), so its results are bitwise the same.
 
-It is built on first use with the system's C compiler (``$CC``, else ``cc``) into a cache directory
-(``$MPISTRATEGY_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpistrategy``, else ``~/.cache/mpistrategy``, else, without a
-home directory, ``mpistrategy-<uid>`` in the temporary directory), under a name made of a hash of the source, the
-flags and the machine type, written under a temporary name and renamed: ranks that build it at the same time do
-not clash, and nodes of another architecture that share the directory build their own. Where it cannot be built
-(no compiler, no writable cache), or with ``MPISTRATEGY_NATIVE=0``, :func:`available` is False and the callers sum
+It is built on first use with the system's C compiler (``$CC``, else ``cc``) and kept in a per-user cache
+(``$MPISTRATEGY_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpistrategy``, else ``~/.cache/mpistrategy``), one build per
+source, compiler, flags and machine type; it is loaded from the cache only when no one but the user can have
+changed it (:mod:`~mpistrategy.comm.kernel_cache` lists the checks), else built for the process alone. Where it
+cannot be built (no compiler), or with ``MPISTRATEGY_NATIVE=0``, :func:`available` is False and the callers sum
 with torch (one warning per process says why).
 """
 
@@ -22,67 +21,51 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import os
-import platform
 import shlex
 import subprocess
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from mpistrategy.comm import kernel_cache
+
 NATIVE_VARIABLE = "MPISTRATEGY_NATIVE"
-CACHE_VARIABLE = "MPISTRATEGY_CACHE_DIR"
+CACHE_VARIABLE = kernel_cache.CACHE_VARIABLE
 _SOURCE = Path(__file__).with_suffix(".c")
 #: -O2 with vectorisation: -O3's transformations made the loops 2x slower here (gcc 12)
 _FLAGS = ("-O2", "-ftree-vectorize", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off")
 _DTYPES = {torch.float32: 0, torch.float64: 1}
 SUPPORTED_DTYPES = tuple(_DTYPES)
-_BUILD_SECONDS = 120
 _wanted = [True]  # see compiled()
 
 
-def _cache_dir() -> Path:
-    configured = os.environ.get(CACHE_VARIABLE)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    if base.startswith("~"):  # no home directory
-        return Path(tempfile.gettempdir()) / f"mpistrategy-{os.getuid()}"
-    return Path(base) / "mpistrategy"
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC") or "cc")
 
 
-def _build(compiler: list[str]) -> Path:
-    """The compiled kernel's path (built now unless a matching build is in the cache)."""
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((*compiler, *_FLAGS, platform.machine())).encode()).hexdigest()[:16]
-    directory = _cache_dir()
-    library = directory / f"rank_sum-{platform.machine()}-{key}.so"
-    if library.exists():
-        return library
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as building:
-        target = Path(building) / library.name
-        command = [*compiler, *_FLAGS, str(_SOURCE), "-o", str(target)]
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=_BUILD_SECONDS)
-        os.replace(target, library)
-    return library
+def cached_library(cache: Path | None = None) -> Path | None:
+    """Where the kernel built with ``$CC`` lies in ``cache`` (default: the configured cache directory; None where
+    there is none): remove its directory to have it built again."""
+    cache = cache if cache is not None else kernel_cache.cache_directory()
+    if cache is None:
+        return None
+    return kernel_cache.build_directory(cache, _SOURCE, _compiler(), _FLAGS) / kernel_cache.LIBRARY
 
 
 @functools.cache
 def _kernel() -> ctypes._CFuncPtr | None:
     if os.environ.get(NATIVE_VARIABLE, "1").strip().lower() in ("0", "off", "false", "no"):
         return None
-    compiler = shlex.split(os.environ.get("CC") or "cc")
+    compiler = _compiler()
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        library = kernel_cache.load(_SOURCE, compiler, _FLAGS)
     except (OSError, subprocess.SubprocessError) as failure:
         detail = str(getattr(failure, "stderr", None) or failure).strip()[:300]
-        where = f"with {shlex.join(compiler)!r} into {_cache_dir()}"
-        fixes = f"install a C compiler or set $CC, set {CACHE_VARIABLE} to a writable directory"
+        where = f"with {shlex.join(compiler)!r}"
+        fixes = "install a C compiler or set $CC"
         warnings.warn(
             f"mpistrategy: the compiled sum of the shared-memory allreduce could not be built {where} ({detail}); "
             f"summing with torch instead (slower). To fix it, {fixes}; to silence this, set {NATIVE_VARIABLE}=0.",
