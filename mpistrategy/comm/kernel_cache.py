@@ -248,13 +248,8 @@ def _warn_once(directory: Path, reason: str) -> None:
 
 
 def _world_rank() -> int:
-    """This process's rank in the MPI world, without initialising MPI: from mpi4py where it is initialised, else
-    from the launcher's variables, else 0."""
+    """This process's rank in the MPI world (the package initialises MPI on import; 0 without it)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return int(mpi.COMM_WORLD.Get_rank())
-    for variable in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        value = os.environ.get(variable, "")
-        if value.isdigit():
-            return int(value)
     return 0

@@ -90,10 +90,14 @@ def test_processes_that_build_at_once_share_one_cached_library(tmp_path: Path) -
         for _ in range(4)
     ]
     assert [process.communicate(timeout=120)[0].strip() for process in starts] == ["True"] * 4
-    assert [path.suffix for path in tmp_path.iterdir()] == [".so"], "a temporary build was left behind"
-    modified = next(tmp_path.iterdir()).stat().st_mtime_ns
+    library = rank_sum.cached_library(tmp_path)
+    assert library is not None and [path.name for path in tmp_path.iterdir()] == [library.parent.name], (
+        "a temporary build was left behind"
+    )
+    assert sorted(path.name for path in library.parent.iterdir()) == ["library.so", "library.so.sha256"]
+    modified = library.stat().st_mtime_ns
     assert run_python(PROBE, **{rank_sum.CACHE_VARIABLE: str(tmp_path)}).stdout.strip() == "True"
-    assert next(tmp_path.iterdir()).stat().st_mtime_ns == modified, "a cached build was built again"
+    assert library.stat().st_mtime_ns == modified, "a cached build was built again"
 
 
 def test_without_a_working_compiler_torch_sums_and_a_warning_says_why(tmp_path: Path) -> None:
