@@ -5,9 +5,12 @@ Two kinds, chosen with ``node_transport``:
 - ``"mpi"`` (default): the node's MPI communicator (``Split_type(COMM_TYPE_SHARED)``), whose messages MPI moves
   through shared memory. CUDA tensors are staged through host memory unless MPI is CUDA-aware.
 - ``"gloo"`` / ``"nccl"``: a ``torch.distributed`` process group per node (NCCL for GPUs; gloo on the CPU). Its
-  rendezvous is done over MPI: the node leader opens a ``TCPStore`` on a free loopback port and tells the node's
-  ranks the port through the node communicator, so users set no ``MASTER_ADDR``, port or torchrun. The group is a
-  standalone object: it does not initialise torch.distributed's default group.
+  rendezvous is done over MPI: the node leader makes a private directory in the temporary directory
+  (``tempfile.mkdtemp``: mode 0700, ``$TMPDIR`` else ``/tmp``) and tells the node's ranks its path through the
+  node communicator; the group meets through a ``FileStore`` in it. So users set no ``MASTER_ADDR``, port or
+  torchrun, and no store listens on a port that another user of the node could connect to (to read the peers'
+  addresses, or to write false ones). The directory is removed with the group. The group is a standalone object:
+  it does not initialise torch.distributed's default group.
 
 Both offer the two operations the sync modes need, non-blocking: a sum over the node's ranks in place, and a
 broadcast from one local rank in place. Each returns a :class:`~mpistrategy.aggregation.Work`.
@@ -16,6 +19,10 @@ broadcast from one local rank in place. Each returns a :class:`~mpistrategy.aggr
 from __future__ import annotations
 
 import datetime
+import os
+import shutil
+import tempfile
+import weakref
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -74,7 +81,7 @@ class TorchNodeTransport(NodeTransport):
     def __init__(self, topology: Topology, backend: str, timeout_seconds: float = 1800.0) -> None:
         self.rank, self.size = topology.local_rank, topology.local_size
         self.backend = backend
-        # the leader's TCPStore must live as long as the group
+        # the store must live as long as the group (NCCL meets through it at the first collective)
         self.group, self._store = _node_process_group(topology, backend, timeout_seconds)
 
     def start_sum(self, tensor: torch.Tensor) -> Work:
@@ -110,23 +117,35 @@ def _none() -> None:
 
 
 def _node_process_group(topology: Topology, backend: str, timeout_seconds: float) -> tuple[Any, Any]:
-    """A process group over this node's ranks and its ``TCPStore``, on the leader's loopback port (sent by MPI)."""
+    """A process group over this node's ranks and its ``FileStore``, in a private directory the leader made and
+    sent by MPI (see the module doc); the leader removes the directory when the store is freed."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_seconds)
     node = topology.node_comm
-    store = None
-    problem = ""
+    directory, problem = "", ""
     if topology.is_leader:
         try:
-            store = dist.TCPStore("127.0.0.1", 0, topology.local_size, True, timeout=timeout, wait_for_workers=False)
-        except Exception as error:  # noqa: BLE001 - reported on every rank of the node below
+            directory = tempfile.mkdtemp(prefix="mpistrategy-rendezvous-")
+        except OSError as error:
             problem = f"{type(error).__name__}: {error}"
-    port, problem = node.bcast((store.port if store is not None else 0, problem), root=0)
+    directory, problem = node.bcast((directory, problem), root=0)
     if problem:
-        raise RuntimeError(f"node_transport={backend!r}: the node leader could not open its TCPStore ({problem}).")
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, topology.local_size, False, timeout=timeout)
+        raise RuntimeError(
+            f"node_transport={backend!r}: the node leader could not make its rendezvous directory ({problem}); "
+            "set TMPDIR to a writable node-local directory."
+        )
+    blind = [rank for rank, sees in enumerate(node.allgather(os.path.isdir(directory))) if not sees]
+    if blind:
+        raise RuntimeError(
+            f"node_transport={backend!r}: local rank(s) {blind} cannot see the rendezvous directory {directory} "
+            "that the node leader made; set TMPDIR to a node-local directory that every rank of the node sees, or use "
+            "node_transport='mpi'."
+        )
+    store = dist.FileStore(os.path.join(directory, "store"), topology.local_size)
+    store.set_timeout(timeout)
+    if topology.is_leader:
+        weakref.finalize(store, shutil.rmtree, directory, True)
     prefixed = dist.PrefixStore(f"mpistrategy/node{topology.node_rank}", store)
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
