@@ -6,7 +6,8 @@ writer puts ``mpistrategy-sha256:<64 hex digits>`` there, the SHA-256 of every b
 ``torch.load`` reads it as before, ``unzip -z file.ckpt`` prints the digest. A file that is not a zip archive
 (another ``CheckpointIO``'s format) is written atomically but not sealed.
 
-Atomic writing. The checkpoint goes to a temporary file in the same folder, which is sealed, flushed and fsynced,
+Atomic writing. The checkpoint goes to a temporary file in the same folder (a new file with an unguessable name,
+so a link planted in a folder that others can write is not followed), which is sealed, flushed and fsynced,
 then renamed over the destination (``os.replace``), and the folder is fsynced: a reader sees the old file or the
 complete new one, also after a crash.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import struct
 import zipfile
 from collections.abc import Callable
@@ -44,7 +46,7 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
     """``write(temporary)`` writes the checkpoint; it is sealed and renamed to ``path`` (see the module doc)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    temporary = _new_temporary(directory, os.path.basename(path))
     try:
         write(temporary)
         _seal(temporary)
@@ -53,6 +55,18 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def _new_temporary(directory: str, name: str) -> str:
+    """A new empty file for ``name`` in ``directory``, created by this call (``O_EXCL``, mode 0666 less the umask,
+    an unguessable name): in a folder that others can write, a link they placed there is never written through."""
+    while True:
+        temporary = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666))
+        except FileExistsError:
+            continue
+        return temporary
 
 
 def _seal(path: str) -> None:

@@ -269,6 +269,24 @@ def test_an_interrupted_write_leaves_the_previous_file_and_no_temporary(tmp_path
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
 
+def test_a_link_planted_in_a_shared_folder_is_not_written_through(tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /tmp: anyone can create names in it
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not yours")
+    path = shared / "last.ckpt"
+    os.symlink(victim, shared / f".last.ckpt.tmp-{os.getpid()}")  # a guessable temporary name
+    umask = os.umask(0o022)
+    try:
+        checkpoint_files.write_atomically(str(path), lambda temporary: torch.save({"step": 2}, temporary))
+    finally:
+        os.umask(umask)
+    assert victim.read_bytes() == b"not yours"
+    assert torch.load(path, weights_only=True) == {"step": 2} and checkpoint_files.find_problem(str(path)) is None
+    assert not path.is_symlink() and (path.stat().st_mode & 0o777) == 0o644  # the mode the umask gives
+
+
 def test_a_torch_checkpoint_without_a_seal_is_checked_by_its_crc(tmp_path) -> None:
     path = tmp_path / "foreign.ckpt"
     torch.save({"weights": torch.arange(1000.0)}, path)
