@@ -266,10 +266,21 @@ wait_ready() {
     die "node $(node_name) not idle after ${SLURM_LOCAL_TIMEOUT}s (state: '${state:-unknown}'); logs in ${LOG_DIR}"
 }
 
+# The daemons run as root with the configuration and state in this directory (by default a fixed name in /tmp):
+# one that another user made, or can write, could hand root a configuration of theirs.
+refuse_unsafe_dir() {
+    local owner mode
+    [[ -d "$1" && ! -L "$1" ]] || die "$1 is not a directory (a link?); remove it or set SLURM_LOCAL_DIR"
+    read -r owner mode < <(stat -c '%u %a' "$1")
+    [[ "$owner" -eq "$(id -u)" ]] || die "$1 belongs to uid ${owner}, not to this user; remove it or set SLURM_LOCAL_DIR"
+    (((8#$mode & 8#022) == 0)) || die "$1 is writable by others (mode ${mode}); chmod go-w it or set SLURM_LOCAL_DIR"
+}
+
 # Serialise concurrent invocations (e.g. several test processes starting the cluster).
 # The daemons are started with fd 9 closed, so they do not inherit the lock.
 take_lock() {
-    mkdir -p "$SLURM_LOCAL_DIR"
+    mkdir -p -m 0755 "$SLURM_LOCAL_DIR"
+    refuse_unsafe_dir "$SLURM_LOCAL_DIR"
     exec 9>"${SLURM_LOCAL_DIR}/.lock"
     flock -w 120 9 || die "could not lock ${SLURM_LOCAL_DIR}/.lock"
 }
