@@ -25,7 +25,7 @@ import os
 import shlex
 import subprocess
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -56,7 +56,7 @@ def cached_library(cache: Path | None = None) -> Path | None:
 
 
 @functools.cache
-def _kernel() -> ctypes._CFuncPtr | None:
+def _kernel() -> Callable[..., None] | None:
     if os.environ.get(NATIVE_VARIABLE, "1").strip().lower() in ("0", "off", "false", "no"):
         return None
     compiler = _compiler()
@@ -115,7 +115,9 @@ def sum_to(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], scal
     )
     address = ctypes.addressof(pointers)
     first = inputs[0]
-    _kernel()(
+    kernel = _kernel()
+    assert kernel is not None, "sum_to needs available(dtype)"
+    kernel(
         _DTYPES[first.dtype],
         first.numel(),
         len(inputs),

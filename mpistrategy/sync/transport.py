@@ -147,13 +147,14 @@ def _node_process_group(topology: Topology, backend: str, timeout_seconds: float
     if topology.is_leader:
         weakref.finalize(store, shutil.rmtree, directory, True)
     prefixed = dist.PrefixStore(f"mpistrategy/node{topology.node_rank}", store)
+    group: Any
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         group = dist.ProcessGroupGloo(prefixed, topology.local_rank, topology.local_size, options)
     else:
-        group = dist.ProcessGroupNCCL(prefixed, topology.local_rank, topology.local_size)
+        group = dist.ProcessGroupNCCL(prefixed, topology.local_rank, topology.local_size)  # type: ignore[call-arg]
     node.Barrier()
     return group, store
 
