@@ -111,6 +111,7 @@ def _cache_problem(cache: Path) -> str | None:
         _make_private_directories(cache)
         resolved = cache.resolve(strict=True)
         status = os.lstat(resolved)
+        above_statuses = [(parent, os.lstat(parent)) for parent in resolved.parents]
     except OSError as error:
         return f"it cannot be created or read ({error.strerror or error})"
     if not stat.S_ISDIR(status.st_mode):
@@ -118,8 +119,7 @@ def _cache_problem(cache: Path) -> str | None:
     problem = _owner_problem(status, "it")
     if problem is not None:
         return problem
-    for parent in resolved.parents:
-        above = os.lstat(parent)
+    for parent, above in above_statuses:
         writable_by_others = above.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not above.st_mode & stat.S_ISVTX
         if above.st_uid not in (0, os.getuid()) or writable_by_others:
             return (
