@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 import traceback
 from pathlib import Path
@@ -54,10 +55,13 @@ def _failed_ranks(ok: bool) -> list[int]:
 def resume_checkpoint(cfg: DictConfig, output_dir: Path) -> str | None:
     """``cfg.ckpt_path``; else, with ``resume``, the newest checkpoint of this run dir: a stop checkpoint
     (``hpc_ckpt_<n>.ckpt``, written on SIGUSR1/SIGTERM) or ``checkpoints/last.ckpt``. Decided on rank 0 and
-    broadcast, so every rank resumes from the same file."""
+    broadcast, so every rank resumes from the same file. A checkpoint found on its own is loaded only when it is a
+    regular file this user owns that others may not write (loading a checkpoint unpickles it): otherwise every rank
+    raises a :class:`PermissionError` that names the file and the fix."""
     from recipes.callbacks import list_hpc_checkpoints
 
     choice: str | None = None
+    problem: str | None = None
     if hydra_mpi.rank() == 0:
         if cfg.ckpt_path:
             choice = str(cfg.ckpt_path)
@@ -66,7 +70,27 @@ def resume_checkpoint(cfg: DictConfig, output_dir: Path) -> str | None:
             found = [p for p in found if p.is_file()]
             if found:
                 choice = str(max(found, key=lambda p: p.stat().st_mtime))
-    return hydra_mpi.comm().bcast(choice, root=0) if hydra_mpi.size() > 1 else choice
+                problem = _foreign_file_problem(os.lstat(choice))
+    if hydra_mpi.size() > 1:
+        choice, problem = hydra_mpi.comm().bcast((choice, problem), root=0)
+    if problem is not None:
+        raise PermissionError(
+            f"Refusing to resume automatically from {choice}: {problem}, so another user may have written it. "
+            f"Check it and pass ckpt_path={choice} to load it, or start afresh with resume=false."
+        )
+    return choice
+
+
+def _foreign_file_problem(status: os.stat_result) -> str | None:
+    """Why a file with ``status`` may come from another user, or None: it must be a regular file of this user's
+    that others may not write (a group that may write is the user's own with a umask of 002)."""
+    if not stat.S_ISREG(status.st_mode):
+        return "it is not a regular file"
+    if status.st_uid != os.getuid():
+        return f"it is owned by uid {status.st_uid}, not by this user (uid {os.getuid()})"
+    if status.st_mode & stat.S_IWOTH:
+        return f"others may write it (mode {stat.filemode(status.st_mode)})"
+    return None
 
 
 def _use_hydra_logging() -> None:
