@@ -131,9 +131,9 @@ def _digits_curve(make, epochs: int) -> list[tuple[int, float]]:
     import lightning.pytorch as L
     import torch
 
+    from mpistrategy.recipes.data import DigitsDataModule
+    from mpistrategy.recipes.models import MLPClassifier
     from mpistrategy.strategy import MPIADStrategy
-    from recipes.data import DigitsDataModule
-    from recipes.models import MLPClassifier
 
     class Curve(L.Callback):
         def __init__(self) -> None:

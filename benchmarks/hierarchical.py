@@ -472,7 +472,7 @@ def _train(name: str, settings: dict[str, Any], world) -> dict[str, Any]:
 
 
 def _digits():
-    from recipes.data import load_digits_split
+    from mpistrategy.recipes.data import load_digits_split
 
     return load_digits_split()
 

@@ -83,9 +83,9 @@ def train(mode: str, epochs: int) -> dict[str, Any]:
     import torch
     from hydra import compose, initialize_config_dir
 
-    import recipes.hydra_mpi  # noqa: F401  (registers the resolvers)
-    from recipes.builders import build_run
-    from recipes.train import CONFIG_DIR
+    import mpistrategy.recipes.hydra_mpi  # noqa: F401  (registers the resolvers)
+    from mpistrategy.recipes.builders import build_run
+    from mpistrategy.recipes.train import CONFIG_DIR
 
     overrides = [
         *MODES[mode][0],

@@ -8,6 +8,8 @@ Under ``torch.compile`` every op is a graph break and runs eagerly. Importing th
 ``MPI.COMM_WORLD`` (collective).
 """
 
+__version__ = "0.1.0"
+
 from mpistrategy.collectives.alltoall import alltoall, alltoall_v
 from mpistrategy.collectives.broadcast import broadcast
 from mpistrategy.collectives.gather import allgather, allgather_v, gather, gather_v, scatter, scatter_v
@@ -36,8 +38,6 @@ world()
 from mpistrategy.strategy import registration as _registration  # noqa: E402
 
 _registration.install()
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Communicator",

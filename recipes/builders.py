@@ -56,7 +56,8 @@ def mpi_ad_strategy(
     sync: str = "flat",
     **options: Any,
 ) -> Any:
-    """mpistrategy's ``mpi_ad`` strategy (``model_parallel``: :class:`recipes.model_parallel.ModelParallelMPIStrategy`).
+    """mpistrategy's ``mpi_ad`` strategy
+    (``model_parallel``: :class:`mpistrategy.recipes.model_parallel.ModelParallelMPIStrategy`).
 
     ``aggregator`` comes from the aggregation group; ``stop_signals`` are names. ``options`` are split: the sync
     mode ``sync``'s own options (``period``, ``global_skip``, ``graph`` ...) build the mode with
@@ -72,7 +73,7 @@ def mpi_ad_strategy(
     topology(_plain(options.get("ranks_per_node")))
 
     if model_parallel:
-        from recipes.model_parallel import ModelParallelMPIStrategy as cls
+        from mpistrategy.recipes.model_parallel import ModelParallelMPIStrategy as cls
     else:
         from mpistrategy.strategy import MPIADStrategy as cls
 
@@ -184,7 +185,7 @@ def build_loggers(cfg: DictConfig) -> dict[str, Any]:
 def build_strategy(cfg: DictConfig) -> Any:
     """The strategy; mpi_ad gets its aggregator from the aggregation group."""
     node = cfg.strategy
-    if OmegaConf.select(node, "_target_") == "recipes.builders.mpi_ad_strategy" and cfg.get("aggregation"):
+    if OmegaConf.select(node, "_target_") == "mpistrategy.recipes.builders.mpi_ad_strategy" and cfg.get("aggregation"):
         return instantiate(node, aggregator=instantiate(cfg.aggregation))
     return instantiate(node)
 

@@ -4,8 +4,9 @@ Preemption: SLURM sends a signal a set time before the time limit (``#SBATCH --s
 set a flag. At the next step boundary all ranks agree (a max-reduction of the flags, so a rank that got the signal
 later still stops in the same step), save one checkpoint (rank 0 writes), stop (every rank exits with code 75,
 :data:`mpistrategy.strategy.failures.STOPPED_EXIT_CODE`), and rank 0 asks for ``scontrol requeue $SLURM_JOB_ID``.
-The requeued job gets the same job id, hence the same run dir (``slurm-<job id>``), and ``recipes.train`` resumes
-from that checkpoint (with ``strategy=mpi_ad``: exactly where it stopped, see :mod:`mpistrategy.strategy.resumable`).
+The requeued job gets the same job id, hence the same run dir (``slurm-<job id>``), and ``mpistrategy.recipes.train``
+resumes from that checkpoint (with ``strategy=mpi_ad``: exactly where it stopped, see
+:mod:`mpistrategy.strategy.resumable`).
 """
 
 from __future__ import annotations
@@ -88,10 +89,10 @@ class Preemption(Callback):
     ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, then every rank raises the same stop exception); this callback
     then only decides, on every rank together, whether the signal was ``signal`` (not an ``scancel``'s SIGTERM) and
     has rank 0 request the requeue. With another strategy it does all of it itself: its own handler, a
-    max-reduction of the flags at each step boundary, the same ``hpc_ckpt_<n>.ckpt``, then the same stop exception
-    on every rank (``recipes.train`` treats it as a clean stop). That checkpoint is written after the step, but the
-    run only resumes exactly with mpi_ad's resumable dataloader; other strategies re-read the interrupted epoch
-    from its start, as Lightning does.
+    max-reduction of the flags at each step boundary, the same ``hpc_ckpt_<n>.ckpt``, then the same stop exception on
+    every rank (``mpistrategy.recipes.train`` treats it as a clean stop). That checkpoint is written after the step, but
+    the run only resumes exactly with mpi_ad's resumable dataloader; other strategies re-read the interrupted epoch from
+    its start, as Lightning does.
 
     Args:
         signal: the signal SLURM sends before the limit (``#SBATCH --signal=USR1@<seconds>``).

@@ -5,7 +5,7 @@ Hydra merges the YAML onto a dataclass: a misspelled key or a value of the wrong
 before anything is built or trained, with the full key in the message. :func:`explain` adds the keys that *are*
 allowed (and the closest match) to Hydra's message.
 
-Call :func:`register_configs` before composing (``recipes.train`` does it at import; tests call it).
+Call :func:`register_configs` before composing (``mpistrategy.recipes.train`` does it at import; tests call it).
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ class TrainerConf:
 @dataclass
 class NamedStrategyConf:
     """A strategy Lightning knows by name (``auto``, ``ddp``, ``single_device`` ...), built by
-    :func:`recipes.builders.strategy_by_name`."""
+    :func:`mpistrategy.recipes.builders.strategy_by_name`."""
 
-    _target_: str = "recipes.builders.strategy_by_name"
+    _target_: str = "mpistrategy.recipes.builders.strategy_by_name"
     name: str = "auto"
 
 
@@ -91,13 +91,13 @@ Downcast = _choices(
 @dataclass
 class MPIADStrategyConf:
     """mpistrategy's ``mpi_ad`` strategy (``mpistrategy.strategy.MPIADStrategy``); the aggregator comes from the
-    aggregation group. ``model_parallel`` builds :class:`recipes.model_parallel.ModelParallelMPIStrategy`.
+    aggregation group. ``model_parallel`` builds :class:`mpistrategy.recipes.model_parallel.ModelParallelMPIStrategy`.
 
     ``sync`` is the step-level sync mode (:mod:`mpistrategy.sync`); the schemas below add each mode's options as
     fields of the strategy (``strategy=daso strategy.global_skip=8``), which
-    :func:`recipes.builders.mpi_ad_strategy` passes to the mode."""
+    :func:`mpistrategy.recipes.builders.mpi_ad_strategy` passes to the mode."""
 
-    _target_: str = "recipes.builders.mpi_ad_strategy"
+    _target_: str = "mpistrategy.recipes.builders.mpi_ad_strategy"
     sync: str = "flat"
     #: ranks per (virtual) node; null = the nodes MPI reports (or MPISTRATEGY_RANKS_PER_NODE)
     ranks_per_node: int | None = None
@@ -275,7 +275,7 @@ class PowerSGDAggregationConf:
 
 @dataclass
 class MLPConf:
-    _target_: str = "recipes.models.MLPClassifier"
+    _target_: str = "mpistrategy.recipes.models.MLPClassifier"
     in_features: int = 64
     hidden: int = 256
     depth: int = 1
@@ -285,7 +285,7 @@ class MLPConf:
 
 @dataclass
 class CNNConf:
-    _target_: str = "recipes.models.CNNClassifier"
+    _target_: str = "mpistrategy.recipes.models.CNNClassifier"
     image_size: int = 8
     channels: int = 32
     hidden: int = 128
@@ -295,7 +295,7 @@ class CNNConf:
 
 @dataclass
 class TensorParallelMLPConf:
-    _target_: str = "recipes.tensor_parallel.TensorParallelMLPClassifier"
+    _target_: str = "mpistrategy.recipes.tensor_parallel.TensorParallelMLPClassifier"
     in_features: int = 64
     hidden: int = 128
     depth: int = 1
@@ -304,7 +304,7 @@ class TensorParallelMLPConf:
 
 @dataclass
 class PipelineMLPConf:
-    _target_: str = "recipes.pipeline.PipelineMLPClassifier"
+    _target_: str = "mpistrategy.recipes.pipeline.PipelineMLPClassifier"
     in_features: int = 64
     hidden: int = 128
     layers_per_stage: int = 1
@@ -359,7 +359,7 @@ class StepSchedulerConf:
 
 @dataclass
 class DigitsDataConf:
-    _target_: str = "recipes.data.DigitsDataModule"
+    _target_: str = "mpistrategy.recipes.data.DigitsDataModule"
     batch_size: int = 32
     val_fraction: float = 0.2
     split_seed: int = 0
@@ -370,7 +370,7 @@ class DigitsDataConf:
 
 @dataclass
 class SyntheticDataConf:
-    _target_: str = "recipes.data.SyntheticDataModule"
+    _target_: str = "mpistrategy.recipes.data.SyntheticDataModule"
     num_samples: int = 8192
     num_val_samples: int = 1024
     in_features: int = 512
@@ -386,7 +386,7 @@ class SyntheticDataConf:
 
 @dataclass
 class CSVLoggerConf:
-    _target_: str = "recipes.loggers.ResumableCSVLogger"
+    _target_: str = "mpistrategy.recipes.loggers.ResumableCSVLogger"
     save_dir: str = "${paths.output_dir}"
     name: str = "csv"
     version: str = ""
@@ -417,14 +417,14 @@ class ProgressBarConf:
 
 @dataclass
 class FitTimerConf:
-    _target_: str = "recipes.callbacks.FitTimer"
+    _target_: str = "mpistrategy.recipes.callbacks.FitTimer"
 
 
 @dataclass
 class PreemptionConf:
     """SIGUSR1 (SLURM's ``--signal=USR1@<seconds>``) -> all ranks agree -> checkpoint -> ``scontrol requeue``."""
 
-    _target_: str = "recipes.callbacks.Preemption"
+    _target_: str = "mpistrategy.recipes.callbacks.Preemption"
     signal: str = "SIGUSR1"
     requeue: bool = True
     check_every_n_steps: int = 1

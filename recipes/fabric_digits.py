@@ -24,9 +24,9 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 import mpistrategy  # noqa: F401  (registers "mpi_ad" and the sync modes' names with Fabric)
+from mpistrategy.recipes.data import load_digits_split
+from mpistrategy.recipes.models import mlp
 from mpistrategy.strategy import MPIADFabricStrategy, StopRequested
-from recipes.data import load_digits_split
-from recipes.models import mlp
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:

@@ -54,7 +54,7 @@ def local_run_id(now: datetime | None = None) -> str:
 
 def agree_on_run_id() -> str:
     """Collective over ``MPI.COMM_WORLD``: rank 0 decides the run id, every rank receives it. Call on all ranks,
-    before Hydra composes (``recipes.train.main`` does)."""
+    before Hydra composes (``mpistrategy.recipes.train.main`` does)."""
     global _run_id
     decided = local_run_id() if rank() == 0 else None
     _run_id = comm().bcast(decided, root=0) if size() > 1 else decided

@@ -7,9 +7,9 @@ belongs to its own slice). :class:`ModelParallelMPIStrategy` is mpi_ad without t
 mpi_ad's: ranks from MPI, rank-0 checkpoints, ``reduce``/``broadcast``/``barrier`` for logging, torchmetrics sync,
 abort on exception, coordinated stop on SIGTERM/SIGUSR1 with a checkpoint.
 
-The model-parallel recipes (:mod:`recipes.tensor_parallel`, :mod:`recipes.pipeline`) initialise identically on
-every rank from a seeded dense twin and write checkpoints that hold the gathered dense weights, so they need
-neither step. Use it with ``trainer.use_distributed_sampler=false`` and ``data.same_batches_on_all_ranks=true``
+The model-parallel recipes (:mod:`mpistrategy.recipes.tensor_parallel`, :mod:`mpistrategy.recipes.pipeline`) initialise
+identically on every rank from a seeded dense twin and write checkpoints that hold the gathered dense weights, so they
+need neither step. Use it with ``trainer.use_distributed_sampler=false`` and ``data.same_batches_on_all_ranks=true``
 (the ``tp_mlp`` and ``pipeline_mlp`` experiments set both).
 """
 

@@ -1,6 +1,6 @@
 """A pipeline-parallel MLP: one stage per rank, joined by mpistrategy's differentiable ``send``/``recv``.
 
-The dense twin is ``recipes.models.mlp(in_features, hidden, P * layers_per_stage - 1, num_classes)``: ``P *
+The dense twin is ``mpistrategy.recipes.models.mlp(in_features, hidden, P * layers_per_stage - 1, num_classes)``: ``P *
 layers_per_stage`` Linear layers with ReLU between them. Stage ``r`` (rank ``r``) holds Linear layers
 ``[r * k, (r + 1) * k)`` (``k = layers_per_stage``), the last stage also the classification head.
 
@@ -28,8 +28,8 @@ from mpi4py import MPI
 from torch import nn
 
 import mpistrategy as ms
-from recipes.models import ClassifierModule, OptimizerFactory, SchedulerFactory, mlp
-from recipes.tensor_parallel import gather_model_parallel_state, restore_rank_optimizer_state
+from mpistrategy.recipes.models import ClassifierModule, OptimizerFactory, SchedulerFactory, mlp
+from mpistrategy.recipes.tensor_parallel import gather_model_parallel_state, restore_rank_optimizer_state
 
 ACTIVATION_TAG = 7
 

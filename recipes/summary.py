@@ -263,7 +263,7 @@ class SweepSummaryCallback(HydraCallback):
     """Hydra callback: after a multirun, rank 0 (or the submitting process) writes the sweep comparison."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from recipes.hydra_mpi import rank
+        from mpistrategy.recipes.hydra_mpi import rank
 
         if rank() != 0:
             return
@@ -275,7 +275,8 @@ class SweepSummaryCallback(HydraCallback):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m recipes.summary <sweep dir> [objective]``: the comparison of a finished sweep (job arrays)."""
+    """``python -m mpistrategy.recipes.summary <sweep dir> [objective]``: the comparison of a finished sweep (job
+    arrays)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -18,7 +18,7 @@ rank's parameter gradients are exactly the matching slices of the dense model's 
 
 :class:`TensorParallelMLPClassifier` is the LightningModule (``model=tp_mlp``): every rank sees the same batches;
 its checkpoints hold the *dense* weights (gathered on save, sliced on load), so they load into the single-process
-:class:`recipes.models.MLPClassifier` and back.
+:class:`mpistrategy.recipes.models.MLPClassifier` and back.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpistrategy as ms
-from recipes.models import ClassifierModule, OptimizerFactory, SchedulerFactory, mlp
+from mpistrategy.recipes.models import ClassifierModule, OptimizerFactory, SchedulerFactory, mlp
 
 
 def _split(total: int, parts: int, what: str) -> int:
@@ -113,7 +113,7 @@ class RowParallelLinear(nn.Module):
 
 class TensorParallelMLP(nn.Module):
     """Blocks of (column-parallel, ReLU, row-parallel) with ReLU between blocks: the tensor-parallel version of
-    ``recipes.models.mlp(in_features, hidden, 2 * depth - 1, num_classes)``.
+    ``mpistrategy.recipes.models.mlp(in_features, hidden, 2 * depth - 1, num_classes)``.
 
     The dense twin of ``depth`` blocks is ``nn.Sequential(Linear(in, h), ReLU, Linear(h, h), ReLU, ..., Linear(h,
     classes))`` with ``2 * depth`` Linear layers: odd layers column-parallel, even ones row-parallel.

@@ -4,7 +4,7 @@
     mpiexec -n 4 mpistrategy-train experiment=digits_cnn
     mpiexec -n 2 mpistrategy-train -m model.hidden=64,128 optimizer.lr=0.1,0.05
     mpistrategy-train -m hydra/launcher=slurm model.hidden=64,128
-    python -m recipes.train --cfg job                             # show the composed config
+    python -m mpistrategy.recipes.train --cfg job                 # show the composed config
 
 MPI safety (see recipes/hydra_mpi.py): before Hydra composes, rank 0 decides the run id and broadcasts it, so all
 ranks use one run dir; only rank 0 writes ``.hydra/``, the log, checkpoints, metrics, the summary and plots; sweeps
@@ -31,13 +31,15 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from recipes import hydra_mpi
-from recipes.config import explain, register_configs
+from mpistrategy import conf as _conf
+from mpistrategy.recipes import hydra_mpi
+from mpistrategy.recipes.config import explain, register_configs
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_PACKAGE = "mpistrategy.conf"
+CONFIG_DIR = Path(_conf.__file__).resolve().parent
 LAST_CHECKPOINT = "last.ckpt"
 
-log = logging.getLogger("recipes.train")
+log = logging.getLogger("mpistrategy.recipes.train")
 
 register_configs()
 
@@ -58,7 +60,7 @@ def resume_checkpoint(cfg: DictConfig, output_dir: Path) -> str | None:
     broadcast, so every rank resumes from the same file. A checkpoint found on its own is loaded only when it is a
     regular file this user owns that others may not write (loading a checkpoint unpickles it): otherwise every rank
     raises a :class:`PermissionError` that names the file and the fix."""
-    from recipes.callbacks import list_hpc_checkpoints
+    from mpistrategy.recipes.callbacks import list_hpc_checkpoints
 
     choice: str | None = None
     problem: str | None = None
@@ -112,7 +114,7 @@ def _quiet_known_warnings() -> None:
     # launches (mpiexec inside an allocation is one of the supported ways).
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
-    # recipes.loggers.ResumableCSVLogger keeps metrics.csv although Lightning announces it will delete it.
+    # mpistrategy.recipes.loggers.ResumableCSVLogger keeps metrics.csv although Lightning announces it will delete it.
     warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
 
 
@@ -143,9 +145,9 @@ def train(cfg: DictConfig) -> float | None:
     from lightning.pytorch.utilities import rank_zero_only
 
     import mpistrategy  # noqa: F401  (registers strategy="mpi_ad"; wraps MPI.COMM_WORLD)
+    from mpistrategy.recipes.builders import build_run
+    from mpistrategy.recipes.summary import bytes_sent, summarize_run
     from mpistrategy.strategy import failures
-    from recipes.builders import build_run
-    from recipes.summary import bytes_sent, summarize_run
 
     rank_zero_only.rank = hydra_mpi.rank()
     _quiet_known_warnings()
@@ -239,7 +241,7 @@ def _log_stop(run: Any) -> None:
     )
 
 
-_hydra_main = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(train)
+_hydra_main = hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="config")(train)
 
 
 def main() -> None:

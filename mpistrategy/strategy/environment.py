@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import logging
 
-from lightning.fabric.plugins.environments import ClusterEnvironment
+try:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+except ImportError:  # the core install has no Lightning
+    from mpistrategy.extras import require
+
+    require("lightning", "mpistrategy's Lightning cluster environment")
+    raise
 
 from mpistrategy.comm.topology import Topology, topology
 

@@ -43,9 +43,16 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
-from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
-from lightning.fabric.utilities.types import _Stateful
+
+try:
+    from lightning.fabric.strategies import ParallelStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+    from lightning.fabric.utilities.types import _Stateful
+except ImportError:  # the core install has no Lightning
+    from mpistrategy.extras import require
+
+    require("lightning", "mpistrategy's Fabric strategy (mpi_ad)")
+    raise
 from torch import Tensor, nn
 
 from mpistrategy.strategy import checkpoints, failures

@@ -37,7 +37,13 @@ import signal
 from collections.abc import Generator
 from typing import Any
 
-from lightning.pytorch.strategies import ParallelStrategy
+try:
+    from lightning.pytorch.strategies import ParallelStrategy
+except ImportError:  # the core install has no Lightning
+    from mpistrategy.extras import require
+
+    require("lightning", "mpistrategy's Trainer strategy (mpi_ad)")
+    raise
 from torch import Tensor
 
 from mpistrategy.strategy import checkpoints, failures, random_state

@@ -10,9 +10,9 @@ from torch import nn
 
 from mpistrategy.aggregation import Aggregator
 from mpistrategy.comm.topology import topology
+from mpistrategy.recipes.data import load_digits_split
+from mpistrategy.recipes.models import mlp
 from mpistrategy.strategy.reducer import GradientReducer
-from recipes.data import load_digits_split
-from recipes.models import mlp
 
 BATCH = 32
 

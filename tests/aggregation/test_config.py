@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
-import recipes.hydra_mpi  # noqa: F401  (registers the resolvers)
+import mpistrategy.recipes.hydra_mpi  # noqa: F401  (registers the resolvers)
 from mpistrategy import aggregation
 from mpistrategy.aggregation import (
     SCHEMES,
@@ -25,8 +25,8 @@ from mpistrategy.aggregation import (
     TopK,
     build_aggregator,
 )
-from recipes.config import explain, register_configs
-from recipes.train import CONFIG_DIR
+from mpistrategy.recipes.config import explain, register_configs
+from mpistrategy.recipes.train import CONFIG_DIR
 from tests.aggregation.helpers import RANK, SIZE, bucket, combine, everyone, setup
 from tests.recipes._cli import clean_env, train_command
 
@@ -145,7 +145,7 @@ def test_every_scheme_has_a_hydra_option(name: str, tmp_path: Path, _schemas) ->
     reference = build_aggregator(name)
     assert type(built) is type(reference)
     assert repr(built) == repr(reference), "the YAML's values differ from the scheme's defaults"
-    from recipes.builders import build_strategy
+    from mpistrategy.recipes.builders import build_strategy
 
     assert build_strategy(cfg).aggregator.__class__ is type(reference)
 

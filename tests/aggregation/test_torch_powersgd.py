@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 from mpistrategy.aggregation import PowerSGD
-from recipes.data import load_digits_split
+from mpistrategy.recipes.data import load_digits_split
 from tests.aggregation.digits import digits_mlp, rank_batches, train_digits
 from tests.aggregation.helpers import COMM, SIZE
 from tests.strategy.helpers import shared_tmpdir

@@ -12,9 +12,9 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import recipes.hydra_mpi  # noqa: F401  (registers the resolvers)
-from recipes.config import explain, register_configs
-from recipes.train import CONFIG_DIR
+import mpistrategy.recipes.hydra_mpi  # noqa: F401  (registers the resolvers)
+from mpistrategy.recipes.config import explain, register_configs
+from mpistrategy.recipes.train import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def test_the_presets_are_all_found() -> None:
 def test_every_experiment_composes_and_instantiates(experiment: str, tmp_path: Path) -> None:
     import lightning as L
 
-    from recipes.builders import build_run
+    from mpistrategy.recipes.builders import build_run
 
     cfg = _compose([f"experiment={experiment}"], tmp_path)
     assert cfg.task_name == experiment
@@ -80,9 +80,9 @@ def test_every_group_option_composes(group: str, option: str, tmp_path: Path) ->
 
 def test_the_default_job_is_the_digits_mlp_on_mpi_ad(tmp_path: Path) -> None:
     cfg = _compose([], tmp_path, hydra=True)
-    assert cfg.model._target_ == "recipes.models.MLPClassifier"
-    assert cfg.data._target_ == "recipes.data.DigitsDataModule"
-    assert cfg.strategy._target_ == "recipes.builders.mpi_ad_strategy"
+    assert cfg.model._target_ == "mpistrategy.recipes.models.MLPClassifier"
+    assert cfg.data._target_ == "mpistrategy.recipes.data.DigitsDataModule"
+    assert cfg.strategy._target_ == "mpistrategy.recipes.builders.mpi_ad_strategy"
     hydra = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert hydra["output_subdir"] == "${mpi_rank_zero:.hydra}"
     assert "${mpi_run_id:}" in hydra["run"]["dir"] and "${mpi_run_id:}" in hydra["sweep"]["dir"]
@@ -148,7 +148,7 @@ def test_an_unknown_option_lists_the_choices(override: str, choices: list[str]) 
 
 def test_the_command_line_fails_before_training_with_the_named_key(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "recipes.train", "trainer.max_epoch=3"],
+        [sys.executable, "-m", "mpistrategy.recipes.train", "trainer.max_epoch=3"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -162,7 +162,7 @@ def test_the_command_line_fails_before_training_with_the_named_key(tmp_path: Pat
 
 
 def test_a_bad_strategy_option_names_the_accepted_ones(tmp_path: Path) -> None:
-    from recipes.builders import mpi_ad_strategy
+    from mpistrategy.recipes.builders import mpi_ad_strategy
 
     with pytest.raises(TypeError, match=r"strategy\.bucket_size: MPIADStrategy does not accept.*bucket_cap_mb"):
         mpi_ad_strategy(bucket_size=3)

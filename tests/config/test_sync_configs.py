@@ -14,12 +14,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, InstantiationException
 from omegaconf import OmegaConf
 
-import recipes.hydra_mpi  # noqa: F401  (registers the resolvers)
+import mpistrategy.recipes.hydra_mpi  # noqa: F401  (registers the resolvers)
 from mpistrategy.launch import mpiexec_command
+from mpistrategy.recipes.builders import build_strategy
+from mpistrategy.recipes.config import explain, register_configs
+from mpistrategy.recipes.train import CONFIG_DIR
 from mpistrategy.sync import SYNC_MODES
-from recipes.builders import build_strategy
-from recipes.config import explain, register_configs
-from recipes.train import CONFIG_DIR
 from tests.recipes._cli import clean_env, train_command
 
 MODES = ["hierarchical", "local_sgd", "hierarchical_local_sgd", "daso", "gossip"]

@@ -1,4 +1,4 @@
-"""Running ``mpistrategy-train`` (or ``python -m recipes.train``) under mpiexec from a test."""
+"""Running ``mpistrategy-train`` (or ``python -m mpistrategy.recipes.train``) under mpiexec from a test."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def train_command() -> list[str]:
-    """The console script if it is installed next to this Python, else ``python -m recipes.train``."""
+    """The console script if it is installed next to this Python, else ``python -m mpistrategy.recipes.train``."""
     script = Path(sys.executable).parent / "mpistrategy-train"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "recipes.train"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mpistrategy.recipes.train"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

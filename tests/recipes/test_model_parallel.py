@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from recipes.data import load_digits_split
-from recipes.pipeline import PipelineMLP
-from recipes.tensor_parallel import TensorParallelMLP
+from mpistrategy.recipes.data import load_digits_split
+from mpistrategy.recipes.pipeline import PipelineMLP
+from mpistrategy.recipes.tensor_parallel import TensorParallelMLP
 
 ATOL = 1e-5
 
@@ -112,7 +112,7 @@ def test_pipeline_mlp_matches_the_dense_model(micro_batches: int) -> None:
 
 
 def test_tensor_parallel_rejects_indivisible_sizes() -> None:
-    from recipes.tensor_parallel import ColumnParallelLinear, _split
+    from mpistrategy.recipes.tensor_parallel import ColumnParallelLinear, _split
 
     assert ColumnParallelLinear(8, 6, MPI.COMM_SELF).local_out == 6  # one rank: anything divides
     with pytest.raises(ValueError, match="divisible by the number of tensor-parallel ranks"):
@@ -123,8 +123,8 @@ def _reference_training(depth: int, hidden: int, steps: int, batch_size: int) ->
     """The single-process equivalent: MLPClassifier's net, the same seed, batches and SGD steps, a plain loop."""
     import lightning as L
 
-    from recipes.data import DigitsDataModule
-    from recipes.models import MLPClassifier
+    from mpistrategy.recipes.data import DigitsDataModule
+    from mpistrategy.recipes.models import MLPClassifier
 
     L.seed_everything(0, verbose=False)
     model = MLPClassifier(64, hidden, depth, 10)
@@ -149,8 +149,8 @@ def _reference_training(depth: int, hidden: int, steps: int, batch_size: int) ->
 def _fit_model_parallel(module, steps: int, batch_size: int) -> None:
     import lightning as L
 
-    from recipes.data import DigitsDataModule
-    from recipes.model_parallel import ModelParallelMPIStrategy
+    from mpistrategy.recipes.data import DigitsDataModule
+    from mpistrategy.recipes.model_parallel import ModelParallelMPIStrategy
 
     trainer = L.Trainer(
         strategy=ModelParallelMPIStrategy(),
@@ -177,7 +177,7 @@ def test_lightning_tensor_parallel_recipe_trains_like_the_single_process_mlp() -
 
     import lightning as L
 
-    from recipes.tensor_parallel import TensorParallelMLPClassifier
+    from mpistrategy.recipes.tensor_parallel import TensorParallelMLPClassifier
 
     steps, batch = 30, 64
     L.seed_everything(0, verbose=False)
@@ -192,7 +192,7 @@ def test_lightning_pipeline_recipe_trains_like_the_single_process_mlp() -> None:
 
     import lightning as L
 
-    from recipes.pipeline import PipelineMLPClassifier
+    from mpistrategy.recipes.pipeline import PipelineMLPClassifier
 
     steps, batch = 30, 64
     L.seed_everything(0, verbose=False)

@@ -1,5 +1,5 @@
-"""A stop signal mid-epoch through ``recipes.train.train`` (what ``mpistrategy-train`` runs on every rank): checkpoint,
-exit code 75, and the rerun in the same run dir ends with exactly the parameters and optimizer state of an
+"""A stop signal mid-epoch through ``mpistrategy.recipes.train.train`` (what ``mpistrategy-train`` runs on every rank):
+checkpoint, exit code 75, and the rerun in the same run dir ends with exactly the parameters and optimizer state of an
 uninterrupted run; rerunning a finished run trains nothing.
 
 With ``strategy=mpi_ad`` the strategy stops and checkpoints and the preemption callback only decides about the
@@ -22,10 +22,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import recipes.hydra_mpi  # noqa: F401
+import mpistrategy.recipes.hydra_mpi  # noqa: F401
+from mpistrategy.recipes.config import register_configs
+from mpistrategy.recipes.train import CONFIG_DIR, train
 from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
-from recipes.config import register_configs
-from recipes.train import CONFIG_DIR, train
 
 
 class SignalAt(L.Callback):
@@ -129,7 +129,7 @@ def test_with_another_strategy_the_preemption_callback_stops_and_the_rerun_finis
     assert summary["global_step"] == 3 * steps_per_epoch  # 30 steps before the stop + the rest after it
     assert objective == pytest.approx(summary["final"]["val/acc"])
     assert objective > 0.9
-    # One metrics.csv across both parts (recipes.loggers.ResumableCSVLogger keeps the first part's rows).
+    # One metrics.csv across both parts (mpistrategy.recipes.loggers.ResumableCSVLogger keeps the first part's rows).
     with (tmp_path / "csv" / "metrics.csv").open() as handle:
         steps = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss_step")]
     assert min(steps) < 30 < max(steps), steps

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from recipes.train import resume_checkpoint
+from mpistrategy.recipes.train import resume_checkpoint
 
 AUTOMATIC = OmegaConf.create({"ckpt_path": None, "resume": True})
 

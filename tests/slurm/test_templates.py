@@ -134,7 +134,7 @@ def _assert_same_training_state(run_dir: Path, reference_dir: Path) -> None:
 def test_hydra_multirun_through_the_submitit_launcher_runs_two_slurm_jobs(tmp_path: Path) -> None:
     env = job_env(tmp_path / "logs")
     result = subprocess.run(
-        [sys.executable, "-m", "recipes.train", "-m", "hydra/launcher=slurm_local", "model.hidden=32,64",
+        [sys.executable, "-m", "mpistrategy.recipes.train", "-m", "hydra/launcher=slurm_local", "model.hidden=32,64",
          *SMALL.split()],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
@@ -148,7 +148,7 @@ def test_hydra_multirun_through_the_submitit_launcher_runs_two_slurm_jobs(tmp_pa
 
 
 def _steps_per_epoch(ranks: int, batch: int) -> int:
-    from recipes.data import load_digits_split
+    from mpistrategy.recipes.data import load_digits_split
 
     x_train = load_digits_split()[0]
     return math.ceil(math.ceil(len(x_train) / ranks) / batch)
