@@ -30,6 +30,7 @@ from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.failures import mark_raised_on_every_rank
 from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.strategy.step_check import StepCheck
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class DataParallelEngine:
         self.reducer: GradientReducer | None = None
         self.module: nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.step_check = StepCheck()
 
     def setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Set the sync mode up and build the gradient buckets (collective). Configuration errors raise on every
@@ -106,9 +108,13 @@ class DataParallelEngine:
             self.reducer.prepare(sync=sync_gradients)
 
     def post_backward(self) -> None:
-        """After each backward pass, before clipping and the optimizer step: finish the gradient buckets."""
+        """After each backward pass, before clipping and the optimizer step: check that every rank is at the same
+        batch (:mod:`~mpistrategy.strategy.step_check`), then finish the gradient buckets."""
         if self.reducer is not None:
-            self.reducer.wait()
+            aggregator = self.reducer.aggregator
+            span = None if aggregator is None or aggregator.context is None else aggregator.context.span
+            with self.step_check.syncing(None if span is None else span.comm):
+                self.reducer.wait()
 
     def after_optimizer_step(self) -> None:
         """After the optimizer step: the sync mode's parameter work; the step's bytes go to
