@@ -3,7 +3,8 @@
 Every collective registers here once, in its argument check (:func:`mpistrategy.comm.checks.agree`), whether
 validation is on or off: :func:`enter` counts the call on its communicator (the counts of all ranks agree while
 the ranks make the same calls in the same order), finds the caller's place in the user's code (the innermost frame
-outside mpistrategy, torch and Lightning; which frames are skipped is decided once per code object) and writes a
+outside mpistrategy, torch, Lightning and the standard library; which frames are skipped is decided once per code
+object) and writes a
 :class:`Call` into a ring buffer of the last :data:`RECORDS` calls (``MPISTRATEGY_FLIGHT_RECORDS``, default 256).
 :func:`leave` (called when the public op returns) stores the call's duration. The cross-rank check puts the op,
 its arguments and the call site into its error messages; the stall watchdog and the flight recorder read the
@@ -40,6 +41,8 @@ def package_root() -> str:
 _SKIPPED_ROOTS = tuple(root for root in (package_root(), _package_root("torch")) if root is not None)
 # Lightning's packages are skipped by name (they may be imported after mpistrategy).
 _SKIPPED_PARTS = tuple(f"{os.sep}{name}{os.sep}" for name in ("lightning", "pytorch_lightning", "lightning_fabric"))
+_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+_SITE_PACKAGES = f"{os.sep}site-packages{os.sep}"
 _skipped: dict[CodeType, bool] = {}
 
 #: values that arguments given as codes stand for, by argument name (e.g. the reduction op's code)
@@ -52,13 +55,17 @@ def _is_skipped(code: CodeType) -> bool:
     found = _skipped.get(code)
     if found is None:
         name = code.co_filename
-        found = _skipped[code] = name.startswith(_SKIPPED_ROOTS) or any(part in name for part in _SKIPPED_PARTS)
+        found = _skipped[code] = (
+            name.startswith(_SKIPPED_ROOTS)
+            or any(part in name for part in _SKIPPED_PARTS)
+            or (name.startswith(_STDLIB) and _SITE_PACKAGES not in name)  # contextlib, functools, threading ...
+        )
     return found
 
 
 def call_site(depth: int = 2) -> tuple[str, int]:
-    """``(file, line)`` of the innermost frame outside mpistrategy, torch and Lightning (the outermost frame if
-    every frame is inside them)."""
+    """``(file, line)`` of the innermost frame outside mpistrategy, torch, Lightning and the standard library (the
+    outermost frame if every frame is inside them)."""
     frame: FrameType | None = sys._getframe(depth)
     last = sys._getframe(depth)
     while frame is not None:
@@ -148,7 +155,7 @@ def describe_arguments(local: Sequence[object], describe: str) -> str:
 
 _ring: list[Call | None] = [None] * RECORDS
 _next = 0
-_members: list[tuple[int, ...]] = []
+_keys: list[str] = []
 _lock = threading.Lock()
 
 #: the call this process entered last and has not left (``None`` between calls), and the thread that entered it
@@ -161,16 +168,24 @@ counts: dict[int, int] = {}
 
 
 def register(members: tuple[int, ...]) -> int:
-    """A new communicator's id in this process; ``members``: its ranks' world ranks, in its rank order (what
-    identifies it on every rank)."""
+    """A new communicator's id in this process; ``members``: its ranks' world ranks, in its rank order.
+
+    Its :func:`key` names it alike on every member: the members and how many communicators with the same members
+    were wrapped before it (wrapping is collective, so every member counts the same)."""
     with _lock:
-        _members.append(tuple(members))
-        return len(_members) - 1
+        prefix = ",".join(map(str, members)) + "#"
+        _keys.append(f"{prefix}{sum(key.startswith(prefix) for key in _keys)}")
+        return len(_keys) - 1
+
+
+def key(channel: int) -> str:
+    """The communicator with id ``channel`` as ``"<world ranks>#<n>"``, the same string on each of its ranks."""
+    return _keys[channel]
 
 
 def members(channel: int) -> tuple[int, ...]:
     """The world ranks of the communicator with id ``channel``."""
-    return _members[channel]
+    return tuple(int(rank) for rank in _keys[channel].split("#")[0].split(","))
 
 
 def entries() -> int:

@@ -53,6 +53,7 @@ def record(reason: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     for call in calls.recent():
         entry = call.as_dict()
         entry["members"] = list(calls.members(call.channel))
+        entry["communicator"] = calls.key(call.channel)
         recorded.append(entry)
     return {
         "rank": MPI.COMM_WORLD.Get_rank(),
@@ -123,11 +124,12 @@ def first_divergence(records: dict[int, dict[str, Any]]) -> str | None:
     """The first call, per communicator, at which the ranks' records differ (op and arguments, or missing), as a
     line per communicator; ``None`` when every call all ranks still hold agrees."""
     found = []
-    communicators = sorted({tuple(call["members"]) for record in records.values() for call in record["calls"]})
-    for members in communicators:
+    communicators = sorted({call["communicator"] for record in records.values() for call in record["calls"]})
+    for communicator in communicators:
+        members = [int(rank) for rank in communicator.split("#")[0].split(",")]
         present = [rank for rank in members if rank in records]
         by_rank = {
-            rank: {call["count"]: call for call in records[rank]["calls"] if tuple(call["members"]) == members}
+            rank: {call["count"]: call for call in records[rank]["calls"] if call["communicator"] == communicator}
             for rank in present
         }
         starts = [min(calls_of) for calls_of in by_rank.values() if calls_of]

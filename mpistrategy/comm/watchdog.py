@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
@@ -107,6 +106,7 @@ class Watchdog:
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._stopping = threading.Event()
+        self._polled_key = -1  # the call log's entry count at the previous poll
         self._watched_key = -1  # the call log's entry count when the current wait was first seen
         self._since = 0.0
         self._reported_key = -1
@@ -142,8 +142,16 @@ class Watchdog:
         return {ident: frames[ident] for ident in watched if ident in frames}
 
     def _own_stall(self) -> dict[str, Any] | None:
-        """This rank's alarm, once it has waited in mpistrategy longer than the timeout (sent to every rank)."""
+        """This rank's alarm, once it has waited in mpistrategy longer than the timeout (sent to every rank).
+
+        The threads' frames are looked at only once no collective was entered for a whole poll interval: a frame
+        object held here keeps its locals (tensors) alive after the function returns, which must not happen while
+        the program runs (it could not free a shared-memory window, for one)."""
         key = calls.entries()
+        if key != self._polled_key:
+            self._polled_key = key
+            self._watched_key = -1
+            return None
         if not any(_inside_package(frame) for frame in self._waiting_frames().values()):
             self._watched_key = -1
             return None
@@ -156,7 +164,13 @@ class Watchdog:
         if waited <= _timeout or key == self._reported_key:
             return None
         self._reported_key = key
-        alarm = {"rank": self.rank, "waited": waited, "call": _call_state(calls.current or calls.last)}
+        alarm = {
+            "rank": self.rank,
+            "waited": waited,
+            "call": _call_state(calls.current),
+            "where": _innermost(self._waiting_frames()),
+            "last": _call_state(calls.last),
+        }
         message = pickle.dumps(alarm)
         for other in range(self.size):
             if other != self.rank:
@@ -199,7 +213,8 @@ class Watchdog:
             "inside": any(_inside_package(frame) for frame in frames.values()),
             "current": _call_state(current),
             "last": _call_state(calls.last),
-            "counts": {_key(calls.members(channel)): count for channel, count in calls.counts.items()},
+            "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
+            "where": _innermost(frames),
             "stacks": stacks,
         }
 
@@ -232,12 +247,18 @@ class Watchdog:
 
 
 def _call_state(call: calls.Call | None) -> dict[str, Any] | None:
-    return None if call is None else {**call.as_dict(), "members": list(calls.members(call.channel))}
+    if call is None:
+        return None
+    return {**call.as_dict(), "members": list(calls.members(call.channel)), "key": calls.key(call.channel)}
 
 
-def _key(members: Sequence[int]) -> str:
-    """A communicator's key in a rank's state: its members' world ranks, comma-separated (the same on every rank)."""
-    return ",".join(map(str, members))
+def _innermost(frames: dict[int, FrameType]) -> str | None:
+    """``function (file:line)`` of the innermost mpistrategy frame of a watched thread that waits in mpistrategy."""
+    for frame in frames.values():
+        if _inside_package(frame):
+            where = f"{frame.f_code.co_filename.removeprefix(_PACKAGE_ROOT)}:{frame.f_lineno}"
+            return f"{frame.f_code.co_name} (mpistrategy/{where})"
+    return None
 
 
 def _write(text: str) -> None:
@@ -265,10 +286,12 @@ def format_report(
         missing = [
             other
             for other in members
-            if other in states and states[other]["counts"].get(_key(call["members"]), 0) < call["count"]
+            if other in states and states[other]["counts"].get(call["key"], 0) < call["count"]
         ]
     else:
-        waited_in, members, missing = "a collective", list(range(size)), []
+        last = trigger["last"]
+        after = "" if last is None else f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
+        waited_in, members, missing = f"{trigger['where']}{after}", list(range(size)), []
     silent = [other for other in range(size) if other not in states]
     lines = [
         f"[mpistrategy] stall (reported on rank {rank}): rank {trigger['rank']} has waited "
@@ -290,11 +313,11 @@ def format_report(
         current, last = state["current"], state["last"]
         if state["inside"] and current is not None:
             text = f"waiting {_ago(state, current):.1f} s in {current['call']} #{current['count']} at {current['site']}"
-        elif state["inside"] and last is not None:
-            text = (
-                f"waiting inside mpistrategy (a backward collective or the gradient sync) since its last collective "
-                f"{last['call']} #{last['count']} at {last['site']}, entered {_ago(state, last):.1f} s ago"
-            )
+        elif state["inside"]:
+            text = f"waiting in {state['where']}"
+            if last is not None:
+                text += f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
+                text += f", entered {_ago(state, last):.1f} s ago"
         elif last is not None:
             text = (
                 f"not in a collective; last entered {last['call']} #{last['count']} at {last['site']} "
