@@ -91,9 +91,7 @@ def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_j
     capsys.readouterr()
     assert flight_main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert (
-        f"rank {late} (" in printed and "stall): 6 calls recorded, after #6 allreduce(float32[4], op=sum)" in printed
-    )
+    assert f"rank {late} (" in printed and "stall): 6 calls recorded, after #6 allreduce(float32[4], op=sum)" in printed
     assert "inside #7 allreduce(float32[4], op=sum) at " in printed and line_of("waits") in printed
     # the first divergence of the ranks' calls: the op that the late rank called differently
     assert "call #1 differs: rank 0: allreduce(float32[4], op=sum) at " in printed
