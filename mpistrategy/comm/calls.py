@@ -163,6 +163,7 @@ current: Call | None = None
 current_thread = 0
 #: the call this process entered last
 last: Call | None = None
+_held: Call | None = None
 #: this process's collective calls per communicator id (see :func:`register`)
 counts: dict[int, int] = {}
 
@@ -208,13 +209,30 @@ def enter(comm: Any, what: str, local: Sequence[object], describe: str) -> Call:
     return call
 
 
+def hold(call: Call) -> None:
+    """Make ``call`` (entered earlier) the current call until :func:`release`, also between the collectives the
+    caller makes meanwhile: the caller waits for it to complete (the strategy's gradient sync)."""
+    global current, current_thread, _held
+    current = _held = call
+    current_thread = threading.get_ident()
+
+
+def release() -> None:
+    """The held call is complete: store its duration; no call is current."""
+    global current, _held
+    if _held is not None:
+        _held.duration = time.time() - _held.started
+    current = _held = None
+
+
 def leave() -> None:
-    """The op that entered the current call has returned: store its duration."""
+    """The op that entered the current call has returned: store its duration (the held call, if any, is current
+    again)."""
     global current
     call = current
-    if call is not None:
+    if call is not None and call is not _held:
         call.duration = time.time() - call.started
-        current = None
+    current = _held
 
 
 def recent() -> list[Call]:

@@ -43,7 +43,7 @@ from mpi4py import MPI
 from mpistrategy.comm import calls
 from mpistrategy.comm.buffers import DTYPE_CODES
 from mpistrategy.comm.calls import Call
-from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.communicator import FINGERPRINT_LENGTH, Communicator
 from mpistrategy.comm.errors import CommunicationError, with_note
 
 _validation = os.environ.get("MPISTRATEGY_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -251,6 +251,38 @@ def agree(
             report(comm, what, local, describe, problem, call)
     if problem is not None:  # every rank failed its checks: each raises its own error
         raise with_note(problem, f"{what} raised this on rank {comm.rank}; every rank failed its argument checks.")
+
+
+class PendingCheck:
+    """The fingerprint check of a call, posted now (a non-blocking allreduce) and compared by :meth:`finish`.
+
+    For a step that can overlap the check with work of its own (the strategy posts the check of a gradient sync
+    when backward starts and compares it once the buckets are done): every rank must :meth:`finish` it before
+    its next blocking check on ``comm``. With validation off nothing is exchanged and :meth:`finish` returns.
+    """
+
+    __slots__ = ("comm", "what", "local", "describe", "call", "values", "request")
+
+    def __init__(self, comm: Communicator, what: str, local: tuple, describe: str) -> None:
+        self.comm, self.what, self.local, self.describe = comm, what, local, describe
+        self.call = calls.enter(comm, what, local, describe)
+        calls.leave()
+        self.request: MPI.Request | None = None
+        self.values = np.zeros(FINGERPRINT_LENGTH, dtype=np.int64)  # its own: other checks may run meanwhile
+        if agreeing(comm):
+            digest, count = _digest(local) ^ _name_digest(what), self.call.count
+            self.values[:4] = digest, -digest, count, -count
+            self.request = comm.checks.Iallreduce(MPI.IN_PLACE, self.values, op=MPI.MAX)
+
+    def finish(self) -> None:
+        """Wait for the exchange; raise on every rank (see :func:`agree`) unless all ranks made the same call."""
+        if self.request is None:
+            return
+        self.request.Wait()
+        self.request = None
+        values = self.values
+        if values[0] != -values[1] or values[2] != -values[3]:
+            report(self.comm, self.what, self.local, self.describe, None, self.call)
 
 
 def report(

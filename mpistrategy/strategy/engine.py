@@ -103,18 +103,21 @@ class DataParallelEngine:
     # ---------------------------------------------------------------------------------------------- steps
 
     def pre_backward(self, sync_gradients: bool) -> None:
-        """Before each backward pass: ``sync_gradients`` is False inside gradient accumulation."""
+        """Before each backward pass: ``sync_gradients`` is False inside gradient accumulation. Posts the check that
+        every rank is at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
         if self.reducer is not None:
             self.reducer.prepare(sync=sync_gradients)
-
-    def post_backward(self) -> None:
-        """After each backward pass, before clipping and the optimizer step: check that every rank is at the same
-        batch (:mod:`~mpistrategy.strategy.step_check`), then finish the gradient buckets."""
-        if self.reducer is not None:
             aggregator = self.reducer.aggregator
             span = None if aggregator is None or aggregator.context is None else aggregator.context.span
-            with self.step_check.syncing(None if span is None else span.comm):
-                self.reducer.wait()
+            self.step_check.begin_sync(None if span is None else span.comm)
+
+    def post_backward(self) -> None:
+        """After each backward pass, before clipping and the optimizer step: finish the gradient buckets, and check
+        that every rank was at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
+        if self.reducer is not None:
+            self.step_check.waiting()
+            self.reducer.wait()
+            self.step_check.end_sync()
 
     def after_optimizer_step(self) -> None:
         """After the optimizer step: the sync mode's parameter work; the step's bytes go to

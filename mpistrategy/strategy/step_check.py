@@ -1,23 +1,21 @@
 """The strategy's gradient sync through the collectives' cross-rank check and the call log.
 
-Before the gradient buckets of a synchronised backward pass are finished, the ranks that combine them (the
-gradient aggregator's span: every rank, or a node under hierarchical local SGD) check, with the same
-fingerprint exchange as every collective (:func:`mpistrategy.comm.checks.agree`), that they are at the same training
-batch (Trainer: counted in ``training_step``) or backward pass (Fabric): a rank that skipped a backward pass, or ran
-ahead, raises one :class:`~mpistrategy.comm.errors.CommunicationError` on every rank naming each rank's batch,
-instead of averaging gradients of different batches. While the buckets finish, the call log shows the sync as the
-rank's current call, so the stall watchdog names it. Off with validation (``mpistrategy.set_validation(False)``).
+When a synchronised backward pass begins, the ranks that combine its gradients (the gradient aggregator's span:
+every rank, or a node under hierarchical local SGD) post the same fingerprint check as every collective
+(:class:`mpistrategy.comm.checks.PendingCheck`, non-blocking: it overlaps the backward pass) of the training batch
+they are at (Trainer: counted in ``training_step``) or of their backward pass (Fabric); it is compared once the
+gradient buckets are finished. A rank that skipped a backward pass, or ran ahead, raises one
+:class:`~mpistrategy.comm.errors.CommunicationError` on every rank naming each rank's batch, instead of averaging
+gradients of different batches. While the buckets finish, the call log shows the gradient sync as the rank's
+current call, so the stall watchdog names it. Off with validation (``mpistrategy.set_validation(False)``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 from mpi4py import MPI
 
 from mpistrategy.comm import calls
-from mpistrategy.comm.checks import agree
+from mpistrategy.comm.checks import PendingCheck
 from mpistrategy.comm.communicator import resolve
 
 
@@ -27,25 +25,34 @@ class StepCheck:
     def __init__(self) -> None:
         self.batches = 0  # training batches begun (counted by the Trainer strategy)
         self.passes = 0  # synchronised backward passes
+        self._pending: PendingCheck | None = None
 
     def begin_batch(self) -> None:
         """A training batch begins (the Trainer strategy's ``training_step``)."""
         self.batches += 1
 
-    @contextlib.contextmanager
-    def syncing(self, span: MPI.Intracomm | None) -> Iterator[None]:
-        """Around finishing a backward pass's gradient sync over the ranks of ``span`` (``None``: a pass without
-        communication, which is not checked)."""
+    def begin_sync(self, span: MPI.Intracomm | None) -> None:
+        """A backward pass whose gradients are combined over the ranks of ``span`` begins (``None``: a pass
+        without communication, which is not checked): post the check."""
         if span is None or span.Get_size() == 1:
-            yield
             return
         self.passes += 1
         comm = resolve(span)  # collective the first time: every rank of span is here
         if self.batches:
-            agree(comm, "gradient sync", (self.batches - 1,), "training batch")
+            self._pending = PendingCheck(comm, "gradient sync", (self.batches - 1,), "training batch")
         else:
-            agree(comm, "gradient sync", (self.passes - 1,), "backward pass")
-        try:
-            yield
-        finally:
-            calls.leave()
+            self._pending = PendingCheck(comm, "gradient sync", (self.passes - 1,), "backward pass")
+
+    def waiting(self) -> None:
+        """The rank now waits for the gradient sync (the watchdog names it as the current call)."""
+        if self._pending is not None:
+            calls.hold(self._pending.call)
+
+    def end_sync(self) -> None:
+        """The buckets are finished: compare the check (raises on every rank if the ranks are at other batches)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.finish()
+            finally:
+                calls.release()

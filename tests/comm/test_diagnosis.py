@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mpistrategy.comm.flight import main as flight_main
-from mpistrategy.comm.watchdog import STALL_EXIT_CODE
+from mpistrategy.comm.watchdog import STALL_EXIT_CODE, set_stall_timeout, stall_timeout
 from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
 
 pytestmark = OUTER_RUN_ONLY
@@ -96,3 +96,30 @@ def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_j
     # the first divergence of the ranks' calls: the op that the late rank called differently
     assert "call #1 differs: rank 0: allreduce(float32[4], op=sum) at " in printed
     assert f"rank {late}: broadcast(root=0) at " in printed
+
+
+def test_in_warn_mode_a_stall_is_reported_once_and_the_job_goes_on(tmp_path: Path) -> None:
+    code, output, _ = run_mpi_job(
+        SCRIPT,
+        2,
+        "late",
+        timeout=90,
+        MPISTRATEGY_STALL_TIMEOUT="2",
+        MPISTRATEGY_STALL_ACTION="warn",
+        MPISTRATEGY_FLIGHT_DIR=str(tmp_path),
+    )
+    assert code == 0, output[-4000:]
+    assert "ARRIVED 0" in output and "ARRIVED 1" in output
+    assert output.count("stall (reported on rank 0)") == 1 and output.count("stall (reported on rank 1)") == 1
+    assert "not arrived: rank 1" in output and "ends with exit code" not in output
+
+
+@pytest.mark.parametrize("seconds", [-1, float("nan"), "10", True])
+def test_a_stall_timeout_that_is_no_number_of_seconds_is_refused(seconds: object) -> None:
+    with pytest.raises(ValueError, match="not a number of seconds >= 0"):
+        set_stall_timeout(seconds)  # type: ignore[arg-type]
+
+
+def test_an_unknown_stall_action_is_refused() -> None:
+    with pytest.raises(ValueError, match="stall action: 'exit' is not one of"):
+        set_stall_timeout(stall_timeout(), "exit")
