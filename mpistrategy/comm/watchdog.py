@@ -10,7 +10,8 @@ speak sends its state to all others: the collective it is in or entered last (op
 ago; :mod:`mpistrategy.comm.calls`), its collective counts and its Python stack, which shows a rank stuck in a C
 call (``time.sleep``, a blocked read in a data loader) at the line that called it. Each rank prints the report
 (which ranks have not arrived, each rank's last collective, its own stack), writes its flight record
-(:mod:`mpistrategy.comm.flight`), and, unless the action is ``"warn"``, exits with :data:`STALL_EXIT_CODE`.
+(:mod:`mpistrategy.comm.flight`), and, unless the action is ``"warn"``, exits with :data:`STALL_EXIT_CODE`; the rank
+that raised the alarm then calls ``MPI_Abort`` with that code, which ends the ranks that could not answer.
 
 Settings: ``MPISTRATEGY_STALL_TIMEOUT`` (seconds, default :data:`DEFAULT_TIMEOUT`; 0 turns the watchdog off) and
 ``MPISTRATEGY_STALL_ACTION`` (``"abort"``, the default, or ``"warn"``), or :func:`set_stall_timeout` in Python (on
@@ -44,6 +45,8 @@ ACTIONS = ("abort", "warn")
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
 _ALARM, _STATE = 1, 2
+# How long the rank that raised the alarm waits after its report before it aborts the ranks that did not end.
+_ABORT_AFTER_SECONDS = 2.0
 _PACKAGE_ROOT = calls.package_root()
 _exit_process = os._exit
 
@@ -243,6 +246,11 @@ class Watchdog:
             while self._sends and not MPI.Request.Testall(self._sends) and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(0.5)  # the launcher forwards the output before it tears the job down
+            if trigger["rank"] == self.rank:
+                # Every rank that can speak has reported and ended by now; MPI_Abort ends the ones that cannot
+                # (a launcher on a cluster does not end the ranks on other nodes when one exits).
+                time.sleep(_ABORT_AFTER_SECONDS)
+                self.comm.Abort(STALL_EXIT_CODE)
             _exit_process(STALL_EXIT_CODE)
 
 

@@ -123,3 +123,19 @@ def test_a_stall_timeout_that_is_no_number_of_seconds_is_refused(seconds: object
 def test_an_unknown_stall_action_is_refused() -> None:
     with pytest.raises(ValueError, match="stall action: 'exit' is not one of"):
         set_stall_timeout(stall_timeout(), "exit")
+
+
+def test_a_rank_that_cannot_answer_is_named_and_aborted(tmp_path: Path) -> None:
+    """A rank holding the GIL in a C call cannot answer: the others name it, and the rank that raised the alarm
+    ends it with MPI_Abort."""
+    code, output, ended = run_mpi_job(
+        SCRIPT, 3, "gil", timeout=90, MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT), MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    started = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - started <= STALL_TIMEOUT + 10
+    for rank in (0, 1):
+        report = output[output.index(f"stall (reported on rank {rank})") :]
+        assert "did not answer: rank 2 (gone, or holding the GIL in a C call" in report
+        assert "rank 2: did not answer" in report
+    assert "stall (reported on rank 2)" not in output

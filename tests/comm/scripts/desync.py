@@ -1,10 +1,12 @@
 """Ranks that call different collectives, then a rank that never arrives (see tests/comm/test_diagnosis.py).
 
 argv[1]: how the late rank (the last one) fails to arrive: "sleep" (a C call) or "spin" (a Python loop); "late"
-sleeps 8 s and then arrives, and runs no desync cases (for the watchdog's warn mode).
+sleeps 8 s and then arrives (for the watchdog's warn mode); "gil" holds the GIL in a C call (a regular expression
+that backtracks for minutes), so that its watchdog cannot answer. Neither runs the desync cases.
 Each caught error is printed as ``CAUGHT <rank> <message>``; ``HANG <time>`` marks when the stall begins.
 """
 
+import re
 import sys
 import time
 
@@ -57,7 +59,7 @@ def behind() -> None:
 
 
 pending: list[ms.Handle] = []
-if sys.argv[1] != "late":
+if sys.argv[1] not in ("late", "gil"):
     attempt("different_ops", different_ops)
     attempt("other_arguments", other_arguments)
     attempt("skipped_call", skipped_call)
@@ -73,6 +75,8 @@ say(f"HANG {time.time()}")
 if rank == late:
     if sys.argv[1] == "late":
         time.sleep(8)
+    elif sys.argv[1] == "gil":
+        re.match(r"(a+)+$", "a" * 40 + "b")  # marker: gil
     elif sys.argv[1] == "sleep":
         time.sleep(120)  # marker: sleep
     else:
