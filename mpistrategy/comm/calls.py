@@ -41,6 +41,7 @@ def package_root() -> str:
 _SKIPPED_ROOTS = tuple(root for root in (package_root(), _package_root("torch")) if root is not None)
 # Lightning's packages are skipped by name (they may be imported after mpistrategy).
 _SKIPPED_PARTS = tuple(f"{os.sep}{name}{os.sep}" for name in ("lightning", "pytorch_lightning", "lightning_fabric"))
+_MPISTRATEGY = package_root()
 _STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _SITE_PACKAGES = f"{os.sep}site-packages{os.sep}"
 _skipped: dict[CodeType, bool] = {}
@@ -63,14 +64,16 @@ def _is_skipped(code: CodeType) -> bool:
     return found
 
 
-def call_site(depth: int = 2) -> tuple[str, int]:
+def call_site(depth: int = 1, near: bool = False) -> tuple[str, int]:
     """``(file, line)`` of the innermost frame outside mpistrategy, torch, Lightning and the standard library (the
-    outermost frame if every frame is inside them)."""
+    outermost frame if every frame is inside them); ``near``: of the innermost frame outside mpistrategy (a few
+    frames up, where the full walk may climb through dozens of Lightning frames)."""
     frame: FrameType | None = sys._getframe(depth)
     last = sys._getframe(depth)
     while frame is not None:
-        if not _is_skipped(frame.f_code):
-            return frame.f_code.co_filename, frame.f_lineno
+        code = frame.f_code
+        if not (code.co_filename.startswith(_MPISTRATEGY) if near else _is_skipped(code)):
+            return code.co_filename, frame.f_lineno
         last = frame
         frame = frame.f_back
     return last.f_code.co_filename, last.f_lineno
@@ -194,14 +197,15 @@ def entries() -> int:
     return _next
 
 
-def enter(comm: Any, what: str, local: Sequence[object], describe: str) -> Call:
+def enter(comm: Any, what: str, local: Sequence[object], describe: str, near: bool = False) -> Call:
     """Register this process's next collective on ``comm`` (a :class:`~mpistrategy.comm.communicator.Communicator`):
-    count it, record it in the ring buffer and make it the current call."""
+    count it, record it in the ring buffer and make it the current call. ``near``: record the nearest call site
+    outside mpistrategy (see :func:`call_site`; for calls with validation off, such as the strategy's buckets)."""
     global _next, current, current_thread, last
     comm.calls += 1
     channel = comm.channel
     counts[channel] = comm.calls
-    call = Call(channel, comm.calls, what, local, describe, call_site())
+    call = Call(channel, comm.calls, what, local, describe, call_site(2, near))
     _ring[_next % RECORDS] = call
     _next += 1
     current = last = call

@@ -226,8 +226,9 @@ def agree(
     No exchange when validation is off or the communicator has one rank: then ``problem`` is raised on this rank
     alone, unless ``deferred`` (and more than one rank), which leaves it to the caller's next exchange.
     """
-    call = calls.enter(comm, what, local, describe)
-    if not agreeing(comm):
+    checking = agreeing(comm)
+    call = calls.enter(comm, what, local, describe, near=not checking)
+    if not checking:
         if problem is not None and not (deferred and comm.size > 1):
             raise alone(problem, comm, what)
         return
