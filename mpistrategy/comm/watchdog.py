@@ -218,6 +218,7 @@ class Watchdog:
             "last": _call_state(calls.last),
             "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
             "where": _innermost(frames),
+            "now": _now_at(frames.get(threading.main_thread().ident)),
             "stacks": stacks,
         }
 
@@ -258,6 +259,13 @@ def _call_state(call: calls.Call | None) -> dict[str, Any] | None:
     if call is None:
         return None
     return {**call.as_dict(), "members": list(calls.members(call.channel)), "key": calls.key(call.channel)}
+
+
+def _now_at(frame: FrameType | None) -> str:
+    """``file:line (in function)`` of a thread's innermost frame."""
+    if frame is None:
+        return "?"
+    return f"{calls.short_path(frame.f_code.co_filename)}:{frame.f_lineno} (in {frame.f_code.co_name})"
 
 
 def _innermost(frames: dict[int, FrameType]) -> str | None:
@@ -328,11 +336,11 @@ def format_report(
                 text += f", entered {_ago(state, last):.1f} s ago"
         elif last is not None:
             text = (
-                f"not in a collective; last entered {last['call']} #{last['count']} at {last['site']} "
-                f"{_ago(state, last):.1f} s ago"
+                f"not in a collective, now at {state['now']}; last entered {last['call']} #{last['count']} at "
+                f"{last['site']} {_ago(state, last):.1f} s ago"
             )
         else:
-            text = "not in a collective; has entered none yet"
+            text = f"not in a collective, now at {state['now']}; has entered none yet"
         lines.append(f"  rank {other} ({where}): {text}")
     own = states.get(rank)
     if own is not None:

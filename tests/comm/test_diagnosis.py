@@ -77,7 +77,9 @@ def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_j
         assert "in allreduce(float32[4], op=sum) (call #7 on its communicator) at " in report
         assert f"not arrived: rank {late}\n" in report
         assert re.search(
-            rf"rank {late} \(.*\): not in a collective; last entered allreduce\(float32\[4\], op=sum\) #6", report
+            rf"rank {late} \(.*\): not in a collective, now at \S*{line_of(late_in)} \(in <module>\); "
+            r"last entered allreduce\(float32\[4\], op=sum\) #6",
+            report,
         )
         for other in others:
             assert re.search(rf"rank {other} \(.*\): waiting \d+\.\d s in allreduce\(float32\[4\], op=sum\) #7", report)
