@@ -10,8 +10,10 @@ speak sends its state to all others: the collective it is in or entered last (op
 ago; :mod:`mpistrategy.comm.calls`), its collective counts and its Python stack, which shows a rank stuck in a C
 call (``time.sleep``, a blocked read in a data loader) at the line that called it. Each rank prints the report
 (which ranks have not arrived, each rank's last collective, its own stack), writes its flight record
-(:mod:`mpistrategy.comm.flight`), and, unless the action is ``"warn"``, exits with :data:`STALL_EXIT_CODE`; the rank
-that raised the alarm then calls ``MPI_Abort`` with that code, which ends the ranks that could not answer.
+(:mod:`mpistrategy.comm.flight`) and, unless the action is ``"warn"``, exits with :data:`STALL_EXIT_CODE`. When
+some rank did not answer, the lowest rank that answered first waits for the others to end and then calls
+``MPI_Abort`` with that code, which ends the ranks that could not answer (a launcher on a cluster does not end the
+ranks on other nodes when one exits).
 
 Settings: ``MPISTRATEGY_STALL_TIMEOUT`` (seconds, default :data:`DEFAULT_TIMEOUT`; 0 turns the watchdog off) and
 ``MPISTRATEGY_STALL_ACTION`` (``"abort"``, the default, or ``"warn"``), or :func:`set_stall_timeout` in Python (on
@@ -45,8 +47,8 @@ ACTIONS = ("abort", "warn")
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
 _ALARM, _STATE = 1, 2
-# How long the rank that raised the alarm waits after its report before it aborts the ranks that did not end.
-_ABORT_AFTER_SECONDS = 2.0
+# The launcher forwards a report's output before it tears the job down within this time.
+_OUTPUT_SECONDS = 0.5
 _PACKAGE_ROOT = calls.package_root()
 _exit_process = os._exit
 
@@ -142,7 +144,7 @@ class Watchdog:
     def _waiting_frames(self) -> dict[int, FrameType]:
         frames = sys._current_frames()
         watched = {threading.main_thread().ident, calls.current_thread}
-        return {ident: frames[ident] for ident in watched if ident in frames}
+        return {ident: frames[ident] for ident in watched if ident is not None and ident in frames}
 
     def _own_stall(self) -> dict[str, Any] | None:
         """This rank's alarm, once it has waited in mpistrategy longer than the timeout (sent to every rank).
@@ -218,7 +220,7 @@ class Watchdog:
             "last": _call_state(calls.last),
             "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
             "where": _innermost(frames),
-            "now": _now_at(frames.get(threading.main_thread().ident)),
+            "now": _now_at(frames.get(threading.main_thread().ident or 0)),
             "stacks": stacks,
         }
 
@@ -246,11 +248,12 @@ class Watchdog:
             deadline = time.monotonic() + 1.0
             while self._sends and not MPI.Request.Testall(self._sends) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            time.sleep(0.5)  # the launcher forwards the output before it tears the job down
-            if trigger["rank"] == self.rank:
-                # Every rank that can speak has reported and ended by now; MPI_Abort ends the ones that cannot
-                # (a launcher on a cluster does not end the ranks on other nodes when one exits).
-                time.sleep(_ABORT_AFTER_SECONDS)
+            time.sleep(_OUTPUT_SECONDS)  # the launcher forwards the output before it tears the job down
+            if len(states) < self.size and self.rank == min(states):
+                # Once every rank that can speak has reported and ended, the lowest of them (the same on every rank
+                # that heard the same ranks) ends the ranks that could not answer with MPI_Abort: a launcher on a
+                # cluster does not end the ranks on other nodes when one exits by itself.
+                time.sleep(_ANSWER_SECONDS)
                 self.comm.Abort(STALL_EXIT_CODE)
             _exit_process(STALL_EXIT_CODE)
 

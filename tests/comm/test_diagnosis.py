@@ -128,12 +128,12 @@ def test_an_unknown_stall_action_is_refused() -> None:
 
 
 def test_a_rank_that_cannot_answer_is_named_and_aborted(tmp_path: Path) -> None:
-    """A rank holding the GIL in a C call cannot answer: the others name it, and the rank that raised the alarm
-    ends it with MPI_Abort."""
+    """A rank holding the GIL in a C call cannot answer: the others name it, and the lowest of them ends it with
+    MPI_Abort (mpiexec reports 86 or the SIGKILL that ended the silent rank)."""
     code, output, ended = run_mpi_job(
         SCRIPT, 3, "gil", timeout=90, MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT), MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
     )
-    assert code == STALL_EXIT_CODE, output[-4000:]
+    assert code in (STALL_EXIT_CODE, 9), output[-4000:]
     started = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
     assert ended - started <= STALL_TIMEOUT + 10
     for rank in (0, 1):
