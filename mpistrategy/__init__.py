@@ -5,10 +5,12 @@ Every op is a torch autograd op. Convention: the global objective is the sum ove
 docstrings in :mod:`mpistrategy.collectives`), and an input an op does not read (a non-root's tensor in
 ``broadcast`` or ``scatter``) gets no gradient (``None``), as torch gives an input the output does not depend on.
 Under ``torch.compile`` every op is a graph break and runs eagerly. Importing the package wraps
-``MPI.COMM_WORLD`` (collective).
+``MPI.COMM_WORLD`` and starts the stall watchdog (collective; see :mod:`mpistrategy.comm.watchdog`).
 """
 
 __version__ = "0.1.0"
+
+from mpi4py import MPI as _MPI
 
 from mpistrategy.collectives.alltoall import alltoall, alltoall_v
 from mpistrategy.collectives.broadcast import broadcast
@@ -24,14 +26,20 @@ from mpistrategy.collectives.reduction import (
     reduce_scatter_v,
 )
 from mpistrategy.collectives.tensor_parallel import copy_to_parallel, reduce_from_parallel
+from mpistrategy.comm import flight as _flight
+from mpistrategy.comm import watchdog as _watchdog
 from mpistrategy.comm.allocator import tune_malloc
 from mpistrategy.comm.checks import set_validation, validation, validation_enabled
 from mpistrategy.comm.communicator import Communicator, world
 from mpistrategy.comm.errors import CommunicationError
+from mpistrategy.comm.flight import set_flight_directory
 from mpistrategy.comm.shm_allreduce import set_shared_memory, shared_memory
+from mpistrategy.comm.watchdog import STALL_EXIT_CODE, set_stall_timeout, stall_timeout
 
 tune_malloc()
 world()
+_watchdog.start(_MPI.COMM_WORLD)  # collective: the stall watchdog's own communicator
+_flight.install_signal_handler()
 
 # Registers the "mpi_ad" strategy with lightning.pytorch / pytorch_lightning (now or when they are imported)
 # and sets Lightning's rank_zero_only from MPI; does not import Lightning itself.
@@ -44,6 +52,7 @@ __all__ = [
     "CommunicationError",
     "Handle",
     "Placeholder",
+    "STALL_EXIT_CODE",
     "allgather",
     "allgather_v",
     "allreduce",
@@ -65,9 +74,12 @@ __all__ = [
     "scatter_v",
     "send",
     "sendrecv",
+    "set_flight_directory",
     "set_shared_memory",
+    "set_stall_timeout",
     "set_validation",
     "shared_memory",
+    "stall_timeout",
     "validation",
     "validation_enabled",
     "wait_backward_sends",

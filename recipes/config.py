@@ -116,6 +116,13 @@ class MPIADStrategyConf:
     checkpoint_on_stop: bool = True
     #: each rank uses cores-per-node / ranks-per-node torch threads unless OMP_NUM_THREADS is set
     set_num_threads: bool = True
+    #: seconds in one collective before the stall watchdog reports every rank and ends the job (0: off; null:
+    #: MPISTRATEGY_STALL_TIMEOUT, default 300)
+    stall_timeout: float | None = None
+    #: abort (exit code 86) or warn after a stall report (null: MPISTRATEGY_STALL_ACTION, default abort)
+    stall_action: str | None = None
+    #: where each rank writes its flight record (null: MPISTRATEGY_FLIGHT_DIR, default ./mpistrategy_flight)
+    flight_dir: str | None = None
     model_parallel: bool = False
 
 

@@ -53,12 +53,14 @@ from mpistrategy.comm.buffers import (
     same_memory,
     to_mean,
 )
+from mpistrategy.comm.calls import CODE_NAMES
 from mpistrategy.comm.checks import check_dim, check_rank, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.pool import receive_pool
 from mpistrategy.comm.shm_allreduce import SharedWork, agreement, group_for, wanted
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
+CODE_NAMES["op"] = dict(enumerate(REDUCE_OPS))  # error messages and the call log show op=sum, not op=0
 
 
 def _complete(result: torch.Tensor, op: str, size: int) -> None:

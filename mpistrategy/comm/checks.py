@@ -3,18 +3,26 @@
 Every op checks its own arguments locally (a tensor where one is needed, not on the ``meta`` device, a dtype and
 op the op supports, a root inside the communicator, sizes that add up, ...). Those checks may fail on some ranks
 only, so an op never raises them at once: :func:`attempt` catches the failure, and :func:`agree` folds it into the
-one small exchange the op makes anyway to check that all ranks agree (same shapes, dtypes, ops and roots). That
-exchange is an allreduce (MAX) of two integers, a digest of the rank's signature or -1 for a rank whose checks
-failed; when the ranks differ, a second exchange (an allgather, on this error path only) tells every rank what
-went wrong where. So the rank with the problem raises its own error and every other rank a
-:class:`CommunicationError` naming the op, that rank and its problem; no rank has sent anything yet, so the ranks
-stay in step and the next op works.
+one small exchange the op makes anyway to check that all ranks make the same call.
+
+That exchange is a fingerprint of the call: one MAX allreduce of ``FINGERPRINT_LENGTH`` (20) int64 on the
+communicator's private ``checks`` channel, the same size for every op, so that ranks calling different ops still
+meet in it (never an MPI truncation error). It holds ``[d, -d, c, -c, payload]``: ``d`` a digest of the op's name
+and its arguments (dtype, shape, op, root, ...; -1 for a rank whose local checks failed), ``c`` the number of
+collectives this rank has called on the communicator (:mod:`mpistrategy.comm.calls`, validation off included).
+Every rank learns the largest and the smallest of both; when they differ, a second exchange (an allgather, on this
+error path only) tells every rank what each rank called and where (``file:line`` in the caller's code), and every
+rank raises one :class:`CommunicationError` that names each rank's call, for example
+``rank 0: allreduce(float32[4], op=sum) at train.py:12; rank 1: broadcast(root=0) at train.py:14``, or, when the
+counts differ, which ranks are how many calls behind. The rank with a failed local check raises its own error.
+No rank has sent anything yet, so the ranks stay in step and the next op works.
 
 The exchange costs a few microseconds per op, so it is on by default; ``mpistrategy.set_validation(False)`` or
 ``MPISTRATEGY_VALIDATE=0`` switch it off for production runs. Then nothing is exchanged and nothing is slower, but
 a problem found on one rank raises on that rank only (the others wait in the op, or pair it with the failing
-rank's next call), and disagreements between ranks (shapes, dtypes, ops, roots) are not caught. Ops that exchange
-sizes or a header anyway still report what those carry (see each op).
+rank's next call), and disagreements between ranks (ops, shapes, dtypes, roots) are not caught (the stall
+watchdog, :mod:`mpistrategy.comm.watchdog`, still reports a hang). Ops that exchange sizes or a header anyway still
+report what those carry (see each op).
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpistrategy.comm import calls
 from mpistrategy.comm.buffers import DTYPE_CODES
-from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.calls import Call
+from mpistrategy.comm.communicator import FINGERPRINT_LENGTH, Communicator
 from mpistrategy.comm.errors import CommunicationError, with_note
 
 _validation = os.environ.get("MPISTRATEGY_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -98,10 +108,12 @@ def signature(tensor: torch.Tensor | None, *extra: object, skip_dim: int | None 
 
 def _as_integers(local: Sequence[object]) -> list[int]:
     """A signature as integers, the same on every process: a dtype by its code (-2 if it cannot be
-    communicated), ``None`` as -1, a shape or other sequence as its length and its items."""
+    communicated), ``None`` as -1, a string by its CRC-32, a shape or other sequence as its length and its items."""
     values: list[int] = []
     for item in local:
-        if isinstance(item, torch.dtype):
+        if isinstance(item, str):
+            values.append(zlib.crc32(item.encode()))
+        elif isinstance(item, torch.dtype):
             values.append(DTYPE_CODES.index(item) if item in DTYPE_CODES else -2)
         elif item is None:
             values.append(-1)
@@ -110,17 +122,6 @@ def _as_integers(local: Sequence[object]) -> list[int]:
         else:
             values.append(int(item))
     return values
-
-
-def _readable(local: Sequence[object]) -> str:
-    """A signature as a rank's line in an error message."""
-
-    def shown(item: object) -> str:
-        if isinstance(item, torch.dtype):
-            return str(item).removeprefix("torch.")
-        return str(tuple(item)) if isinstance(item, (tuple, list)) else str(item)
-
-    return f"({', '.join(shown(item) for item in local)})"
 
 
 def grad_flag(tensor: object) -> int:
@@ -138,6 +139,12 @@ def _digest(local: tuple) -> int:
     return ((zlib.crc32(data) & 0x7FFFFFFF) << 32) | zlib.adler32(data)
 
 
+@functools.lru_cache(maxsize=256)
+def _name_digest(what: str) -> int:
+    """What an op's name adds to its signature's digest (XOR), so that different ops never agree."""
+    return _digest((what,))
+
+
 T = TypeVar("T")
 
 #: takes the MAX of an agreement's two int64 over the ranks in place, or offers them and keeps the second argument,
@@ -146,6 +153,11 @@ Exchange = Callable[[np.ndarray, Callable[[], NoReturn]], None]
 
 # The digest of a rank whose local checks failed: signature digests are never negative.
 _FAILED_DIGEST = -1
+# Where ops put a payload reduced with the fingerprint (see metadata.exchange_meta).
+PAYLOAD_OFFSET = 4
+# Mixes the call count into the two values offered to a shared-memory group (which carries no more).
+_COUNT_MIX = 0x1F3D5B79
+_MASK = (1 << 63) - 1
 
 
 def attempt(check: Callable[..., T], *args: object) -> tuple[T | None, Exception | None]:
@@ -197,49 +209,105 @@ def agree(
     shared: np.ndarray | None = None,
     exchange: Exchange | None = None,
 ) -> None:
-    """Raise on every rank unless every rank passed its local checks and all passed the same ``local`` signature.
+    """Register the call (:func:`mpistrategy.comm.calls.enter`), then raise on every rank unless every rank passed
+    its local checks and all made the same call: the same op (``what``) with the same ``local`` signature, as the
+    same how-manieth collective on ``comm``.
 
-    ``problem`` is what this rank's local checks found (see :func:`attempt`). One allreduce (MAX) of two int64
-    values per call: ``[d, -d]`` for the signature's digest ``d`` (-1 where a check failed) gives every rank the
-    largest and the smallest digest, which are equal exactly when all ranks agree (up to a 2**-63 digest
-    collision). Only when they differ does :func:`report` name what each rank passed, or which ranks failed
-    their checks and why. ``shared``: an int64 buffer whose first two values are used for ``[d, -d]`` and whose
-    other values go through the same MAX reduction (one message for the check and a small payload).
-    ``exchange``: what takes the MAX of ``[d, -d]`` over the ranks in place instead of that allreduce (the
-    shared-memory flags of a node-local communicator); it may also only offer this rank's values and leave the
-    comparison to the operation that follows, which then calls the ``report`` it was given on a disagreement.
+    ``problem`` is what this rank's local checks found (see :func:`attempt`). One MAX allreduce of the fingerprint
+    ``[d, -d, c, -c, payload]`` (see the module docstring) gives every rank the largest and the smallest digest and
+    count, which are equal exactly when all ranks agree (up to a 2**-63 digest collision). Only when they differ
+    does :func:`report` name what each rank called, or which ranks failed their checks and why. ``shared``: the
+    communicator's fingerprint with a payload from ``PAYLOAD_OFFSET`` on, which goes through the same MAX reduction
+    (one message for the check and a small payload). ``exchange``: what takes the MAX of two int64 (the digest
+    and the count mixed, and its negation) over the ranks in place instead of that allreduce (the shared-memory
+    flags of a node-local communicator); it may also only offer this rank's values and leave the comparison to
+    the operation that follows, which then calls the ``report`` it was given on a disagreement.
 
-    A no-op when validation is off or the communicator has one rank: then ``problem`` is raised on this rank
+    No exchange when validation is off or the communicator has one rank: then ``problem`` is raised on this rank
     alone, unless ``deferred`` (and more than one rank), which leaves it to the caller's next exchange.
     """
-    if not agreeing(comm):
+    checking = agreeing(comm)
+    call = calls.enter(comm, what, local, describe, near=not checking)
+    if not checking:
         if problem is not None and not (deferred and comm.size > 1):
             raise alone(problem, comm, what)
         return
-    digest = _FAILED_DIGEST if problem is not None else _digest(local if type(local) is tuple else tuple(local))
-    extremes = comm.agreement if shared is None else shared
-    extremes[0], extremes[1] = digest, -digest
-    if exchange is not None and shared is None:
-        exchange(extremes, lambda: report(comm, what, local, describe, problem))
+    if problem is not None:
+        digest = _FAILED_DIGEST
     else:
-        comm.forward.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
-    if extremes[0] != -extremes[1]:
-        report(comm, what, local, describe, problem)
+        digest = _digest(local if type(local) is tuple else tuple(local)) ^ _name_digest(what)
+    count = call.count
+    if exchange is not None and shared is None:
+        extremes = comm.agreement
+        mixed = digest if digest < 0 else (digest + count * _COUNT_MIX) & _MASK
+        extremes[0], extremes[1] = mixed, -mixed
+        exchange(extremes, lambda: report(comm, what, local, describe, problem, call))
+        if extremes[0] != -extremes[1]:
+            report(comm, what, local, describe, problem, call)
+    else:
+        values = comm.fingerprint if shared is None else shared
+        values[0], values[1], values[2], values[3] = digest, -digest, count, -count
+        comm.checks.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
+        if values[0] != -values[1] or values[2] != -values[3]:
+            report(comm, what, local, describe, problem, call)
     if problem is not None:  # every rank failed its checks: each raises its own error
         raise with_note(problem, f"{what} raised this on rank {comm.rank}; every rank failed its argument checks.")
 
 
+class PendingCheck:
+    """The fingerprint check of a call, posted now (a non-blocking allreduce) and compared by :meth:`finish`.
+
+    For a step that can overlap the check with work of its own (the strategy posts the check of a gradient sync
+    when backward starts and compares it once the buckets are done): every rank must :meth:`finish` it before
+    its next blocking check on ``comm``. With validation off nothing is exchanged and :meth:`finish` returns.
+    """
+
+    __slots__ = ("comm", "what", "local", "describe", "call", "values", "request")
+
+    def __init__(self, comm: Communicator, what: str, local: tuple, describe: str) -> None:
+        self.comm, self.what, self.local, self.describe = comm, what, local, describe
+        self.call = calls.enter(comm, what, local, describe)
+        calls.leave()
+        self.request: MPI.Request | None = None
+        self.values = np.zeros(FINGERPRINT_LENGTH, dtype=np.int64)  # its own: other checks may run meanwhile
+        if agreeing(comm):
+            digest, count = _digest(local) ^ _name_digest(what), self.call.count
+            self.values[:4] = digest, -digest, count, -count
+            self.request = comm.checks.Iallreduce(MPI.IN_PLACE, self.values, op=MPI.MAX)
+
+    def finish(self) -> None:
+        """Wait for the exchange; raise on every rank (see :func:`agree`) unless all ranks made the same call."""
+        if self.request is None:
+            return
+        self.request.Wait()
+        self.request = None
+        values = self.values
+        if values[0] != -values[1] or values[2] != -values[3]:
+            report(self.comm, self.what, self.local, self.describe, None, self.call)
+
+
 def report(
-    comm: Communicator, what: str, local: Sequence[object], describe: str, problem: Exception | None
+    comm: Communicator,
+    what: str,
+    local: Sequence[object],
+    describe: str,
+    problem: Exception | None,
+    call: Call | None = None,
 ) -> NoReturn:
     """Raise on every rank once all ranks know that something is wrong (collective: every rank must call it).
 
-    One allgather of every rank's signature and problem. A rank with a problem raises it (its cause names every
-    failing rank); the others raise a :class:`CommunicationError` naming the op, each failing rank and its problem,
-    or, when no rank failed its checks, each rank's ``describe`` values.
+    One allgather, on the checks channel, of every rank's call (op, arguments, call site, count, the call before
+    it) and problem. A rank with a problem raises it (its cause names every failing rank); the others raise a
+    :class:`CommunicationError` naming each failing rank and its problem, or, when no rank failed its checks, each
+    rank's call: which ranks are behind (fewer calls on this communicator), which called another op, or how their
+    arguments differ.
     """
     failure = None if problem is None else f"{type(problem).__name__}: {problem}"
-    rows = comm.forward.allgather((tuple(local or ()), failure))
+    if call is None:
+        call = calls.last if calls.last is not None else calls.enter(comm, what, local, describe)
+    previous = _previous_on(call)
+    mine = (call.what, str(call), call.count, None if previous is None else str(previous), tuple(local or ()))
+    rows = comm.checks.allgather((mine, failure))
     failed = [(rank, text) for rank, (_, text) in enumerate(rows) if text is not None]
     if failed:
         ranks = ", ".join(str(rank) for rank, _ in failed)
@@ -249,14 +317,50 @@ def report(
             f"communicated ({listing})."
         )
     else:
-        listing = "; ".join(f"rank {rank}: {_readable(row)}" for rank, (row, _) in enumerate(rows))
-        error = CommunicationError(
-            f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same "
-            f"{describe}."
-        )
+        error = CommunicationError(_disagreement(what, describe, [row for row, _ in rows]))
     if problem is not None:
         raise with_note(problem, f"{what} raised this on rank {comm.rank}; every other rank raised too.") from error
     raise error
+
+
+def _previous_on(call: Call) -> Call | None:
+    """This process's call before ``call`` on the same communicator, if still recorded."""
+    for earlier in reversed(calls.recent()):
+        if earlier.channel == call.channel and earlier.count == call.count - 1:
+            return earlier
+    return None
+
+
+def _disagreement(what: str, describe: str, rows: list[tuple[str, str, int, str | None, tuple]]) -> str:
+    """The message for ranks whose calls differ: each rank's call, and what differs."""
+    listing = "; ".join(f"rank {rank}: {shown}" for rank, (_, shown, _, _, _) in enumerate(rows))
+    counts = [count for _, _, count, _, _ in rows]
+    most = max(counts)
+    if min(counts) != most:
+        behind = "; ".join(
+            f"rank {rank} is {most - count} call{'s' if most - count > 1 else ''} behind"
+            for rank, count in enumerate(counts)
+            if count < most
+        )
+        return (
+            f"{what}: ranks are at different collective calls on this communicator ({behind}; counted with validation "
+            f"off too): {listing}. A rank skipped a collective, or made one the others did not; the last call each "
+            f"rank made before this one: "
+            + "; ".join(f"rank {rank}: {previous or 'none'}" for rank, (_, _, _, previous, _) in enumerate(rows))
+            + "."
+        )
+    ops = {op for op, _, _, _, _ in rows}
+    if len(ops) > 1:
+        before = {previous for _, _, _, previous, _ in rows}
+        common = f" after their last common call {before.pop()}" if len(before) == 1 and None not in before else ""
+        return (
+            f"{what}: ranks called different collectives as call #{most} on this communicator{common} ({listing}). "
+            "Every rank must make the same collective calls in the same order: a rank took another branch or "
+            "skipped a call."
+        )
+    return (
+        f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same {describe}."
+    )
 
 
 def alone(problem: Exception, comm: Communicator, what: str) -> Exception:

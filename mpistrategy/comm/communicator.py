@@ -1,9 +1,10 @@
 """Communicators with private channels for forward and backward traffic.
 
 Each MPI communicator a user hands to mpistrategy is wrapped once in a :class:`Communicator`, which duplicates it
-twice: one copy carries the forward messages of every op, the other the backward messages. Because the copies
-are distinct MPI communicators, a backward message can never be matched by a forward one (nor by the user's own
-traffic on the original communicator), whatever the tags.
+three times: one copy carries the forward messages of every op, one the backward messages, and one the cross-rank
+checks of the ops' arguments (:mod:`mpistrategy.comm.checks`). Because the copies are distinct MPI communicators,
+a backward message can never be matched by a forward one, nor a check by a payload (nor any of them by the user's
+own traffic on the original communicator), whatever the tags and sizes.
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from mpistrategy.comm import calls
+
+#: int64 values of the fingerprint every op's argument check exchanges: digest, -digest, call count, -count, and a
+#: payload some ops send with it (see :mod:`mpistrategy.comm.checks` and :mod:`mpistrategy.comm.metadata`)
+FINGERPRINT_LENGTH = 20
+
 
 class Communicator:
     """An MPI communicator plus its private forward and backward channels.
 
-    Creating one is collective over ``comm`` (it calls ``MPI_Comm_dup`` twice); afterwards it is cached, so
+    Creating one is collective over ``comm`` (it calls ``MPI_Comm_dup`` three times); afterwards it is cached, so
     :func:`resolve` returns the same object for the same MPI communicator.
     """
 
@@ -29,11 +36,19 @@ class Communicator:
         self.comm = comm
         self.forward = comm.Dup()
         self.backward = comm.Dup()
+        self.checks = comm.Dup()
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
-        # Two int64 that the cross-rank argument check (checks.agree) reduces on the forward channel; reused by
-        # every call, which is safe because MPI forbids concurrent collectives on one communicator anyway.
+        # The fixed-size fingerprint that the cross-rank argument check (checks.agree) reduces on the checks channel,
+        # and the two int64 it offers to a shared-memory group instead; reused by every call, which is safe because
+        # MPI forbids concurrent collectives on one communicator anyway.
+        self.fingerprint = np.zeros(FINGERPRINT_LENGTH, dtype=np.int64)
         self.agreement = np.zeros(2, dtype=np.int64)
+        self.calls = 0  # collectives this process called on it (see calls.enter)
+        group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        self.channel = calls.register(tuple(MPI.Group.Translate_ranks(group, list(range(self.size)), world_group)))
+        group.Free()
+        world_group.Free()
         with _lock:
             _registry[_key(comm)] = self
 

@@ -16,8 +16,8 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.comm.buffers import DTYPE_CODES, check_dtype, check_tensor
-from mpistrategy.comm.checks import agree, agreeing, alone, grad_flag
-from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.checks import PAYLOAD_OFFSET, agree, agreeing, alone, grad_flag
+from mpistrategy.comm.communicator import FINGERPRINT_LENGTH, Communicator
 from mpistrategy.comm.errors import CommunicationError, with_note
 
 MAX_DIMS = 12
@@ -57,13 +57,15 @@ _HEADER_BYTES = HEADER_LENGTH * 8
 # The header the root broadcasts when its own checks failed (validation off): dtype code -1.
 _FAILED = np.array([-1] + [0] * (HEADER_LENGTH - 1), dtype=np.int64).tobytes()
 
-# With validation on, broadcast and scatter send the header inside the cross-rank check (see exchange_meta): one
-# MAX allreduce of [digest, -digest, highest rank passing out= (-1: none), header], in which every rank but the
-# root contributes the lowest int64 as header.
-_OUT_SLOT = 2
-_HEADER_OFFSET = 3 * 8
+# With validation on, broadcast and scatter send the header inside the cross-rank check (see exchange_meta): the
+# fingerprint's payload is [highest rank passing out= (-1: none), header], in which every rank but the root
+# contributes the lowest int64 as header.
+_OUT_SLOT = PAYLOAD_OFFSET
+_HEADER_OFFSET = (PAYLOAD_OFFSET + 1) * 8
+_HEADER_END = _HEADER_OFFSET + _HEADER_BYTES
 _LOWEST = np.full(HEADER_LENGTH, np.iinfo(np.int64).min, dtype=np.int64).tobytes()
-_shared: dict[Communicator, tuple[np.ndarray, memoryview]] = {}
+_shared: dict[Communicator, memoryview] = {}
+assert PAYLOAD_OFFSET + 1 + HEADER_LENGTH <= FINGERPRINT_LENGTH
 
 
 @functools.lru_cache(maxsize=1024)
@@ -85,12 +87,11 @@ def _decoded(header: bytes) -> TensorMeta:
     return TensorMeta.decode(np.frombuffer(header, dtype=np.int64).tolist())
 
 
-def _shared_buffer(comm: Communicator) -> tuple[np.ndarray, memoryview]:
-    """The communicator's buffer for a header sent with the cross-rank check, and its bytes."""
+def _shared_bytes(comm: Communicator) -> memoryview:
+    """The bytes of the communicator's fingerprint, which carries a header sent with the cross-rank check."""
     found = _shared.get(comm)
     if found is None:
-        values = np.empty(3 + HEADER_LENGTH, dtype=np.int64)
-        found = _shared[comm] = (values, memoryview(values).cast("B"))
+        found = _shared[comm] = memoryview(comm.fingerprint).cast("B")
     return found
 
 
@@ -112,8 +113,8 @@ def exchange_meta(
     :func:`~mpistrategy.comm.checks.agree`.
 
     With validation on (and more than one rank) the header travels inside the cross-rank check, so the op still
-    sends one small message: a MAX allreduce of ``[digest, -digest, out rank, header]`` in which the root
-    contributes its header and the others the lowest int64. Every rank learns the root's header, and at once
+    sends one small message: the fingerprint's MAX allreduce with the payload ``[out rank, header]``, in which the
+    root contributes its header and the others the lowest int64. Every rank learns the root's header, and at once
     whether every rank passed its checks with the same ``local``; if not, every rank raises (see ``agree``).
 
     With validation off the root broadcasts the header (a flag if its own checks failed, so that every rank
@@ -122,11 +123,12 @@ def exchange_meta(
     """
     is_root = comm.rank == root
     if agreeing(comm):
-        values, raw = _shared_buffer(comm)
+        values, raw = comm.fingerprint, _shared_bytes(comm)
         values[_OUT_SLOT] = comm.rank if out_given else -1
-        raw[_HEADER_OFFSET:] = header if is_root and problem is None else _LOWEST
+        raw[_HEADER_OFFSET:_HEADER_END] = header if is_root and problem is None else _LOWEST
         agree(comm, what, local, describe, problem, shared=values)
-        return _decoded(bytes(raw[_HEADER_OFFSET:])), int(values[_OUT_SLOT])
+        return _decoded(bytes(raw[_HEADER_OFFSET:_HEADER_END])), int(values[_OUT_SLOT])
+    agree(comm, what, local, describe, problem, deferred=True)  # registers the call; exchanges nothing
     if problem is not None and not is_root:
         raise alone(problem, comm, what)
     if is_root:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.comm import flight, watchdog
 from mpistrategy.comm.communicator import world
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
@@ -77,6 +78,13 @@ class MPIStrategyBase:
             leaves the signals alone.
         set_num_threads: when ``OMP_NUM_THREADS`` is unset, give each rank ``cpu_count // ranks_per_node``
             torch threads (as Lightning does for the processes it launches).
+        stall_timeout: seconds a rank may wait in a collective or the gradient sync before the stall watchdog
+            reports every rank's position and stack (0: never; ``None``: ``MPISTRATEGY_STALL_TIMEOUT``, default
+            300; see :mod:`mpistrategy.comm.watchdog`).
+        stall_action: ``"abort"`` (end the job with exit code 86 after the report) or ``"warn"``; ``None``:
+            ``MPISTRATEGY_STALL_ACTION``, default ``"abort"``.
+        flight_dir: where each rank writes its flight record (its last collectives) on a stall, an abort or a
+            signal; ``None``: ``MPISTRATEGY_FLIGHT_DIR``, default ``./mpistrategy_flight``.
     """
 
     strategy_name = "mpi_ad"
@@ -101,7 +109,16 @@ class MPIStrategyBase:
         abort_on_exception: bool = True,
         stop_signals: Iterable[int] = DEFAULT_STOP_SIGNALS,
         set_num_threads: bool = True,
+        stall_timeout: float | None = None,
+        stall_action: str | None = None,
+        flight_dir: str | None = None,
     ) -> None:
+        if stall_timeout is not None or stall_action is not None:
+            watchdog.set_stall_timeout(
+                watchdog.stall_timeout() if stall_timeout is None else stall_timeout, stall_action
+            )
+        if flight_dir is not None:
+            flight.set_flight_directory(flight_dir)
         if node_transport not in NODE_TRANSPORTS:
             valid = ", ".join(map(repr, NODE_TRANSPORTS))
             raise ValueError(f"node_transport={node_transport!r} is not one of {valid}.")

@@ -30,6 +30,7 @@ from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.failures import mark_raised_on_every_rank
 from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.strategy.step_check import StepCheck
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class DataParallelEngine:
         self.reducer: GradientReducer | None = None
         self.module: nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.step_check = StepCheck()
 
     def setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Set the sync mode up and build the gradient buckets (collective). Configuration errors raise on every
@@ -101,14 +103,21 @@ class DataParallelEngine:
     # ---------------------------------------------------------------------------------------------- steps
 
     def pre_backward(self, sync_gradients: bool) -> None:
-        """Before each backward pass: ``sync_gradients`` is False inside gradient accumulation."""
+        """Before each backward pass: ``sync_gradients`` is False inside gradient accumulation. Posts the check that
+        every rank is at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
         if self.reducer is not None:
             self.reducer.prepare(sync=sync_gradients)
+            aggregator = self.reducer.aggregator
+            span = None if aggregator is None or aggregator.context is None else aggregator.context.span
+            self.step_check.begin_sync(None if span is None else span.comm)
 
     def post_backward(self) -> None:
-        """After each backward pass, before clipping and the optimizer step: finish the gradient buckets."""
+        """After each backward pass, before clipping and the optimizer step: finish the gradient buckets, and check
+        that every rank was at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
         if self.reducer is not None:
+            self.step_check.waiting()
             self.reducer.wait()
+            self.step_check.end_sync()
 
     def after_optimizer_step(self) -> None:
         """After the optimizer step: the sync mode's parameter work; the step's bytes go to

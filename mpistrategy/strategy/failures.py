@@ -39,6 +39,8 @@ from types import FrameType, TracebackType
 import numpy as np
 from mpi4py import MPI
 
+from mpistrategy.comm import flight
+
 # The launcher forwards each rank's output through a pipe and stops forwarding when Abort tears the job down:
 # without a pause the traceback just written could be lost (seen once in ~40 runs of the failure tests).
 _OUTPUT_GRACE_SECONDS = 0.5
@@ -86,6 +88,7 @@ def abort(error: BaseException, tb: TracebackType | None = None, code: int = 1) 
         return
     with _abort_lock:
         _write_stderr(format_failure(error, tb))
+        flight.dump(f"abort: {type(error).__name__}: {error}")
         time.sleep(_OUTPUT_GRACE_SECONDS)
         MPI.COMM_WORLD.Abort(code)
         # MPICH's MPI_Abort can return before the launcher kills this process: end it here, or the caller would
@@ -207,6 +210,7 @@ class StopSignals:
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signum
+        flight.dump(signal.Signals(signum).name)
 
     def decide(self) -> int:
         """Collective: the signal number some rank had received at the previous call (the largest), or 0.

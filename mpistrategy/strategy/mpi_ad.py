@@ -153,6 +153,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
             self._engine.post_backward()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is not None:
+            self._engine.step_check.begin_batch()
         output = super().training_step(*args, **kwargs)
         if self._engine is not None and self._engine.sync.uses_loss:
             self._engine.record_loss(output.get("loss") if isinstance(output, dict) else output)

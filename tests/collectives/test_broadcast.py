@@ -122,7 +122,10 @@ def test_ranks_passing_different_roots_raise_on_every_rank() -> None:
     if size() == 1:
         pytest.skip("one rank cannot disagree with itself")
     mine = torch.full((2,), float(rank()))
-    disagreement = r"broadcast: ranks disagree on the root \(rank 0: \(0\); rank 1: \(1\)"
+    disagreement = (
+        r"broadcast: ranks disagree on the root \(rank 0: broadcast\(root=0\) at \S+:\d+; "
+        r"rank 1: broadcast\(root=1\) at \S+:\d+"
+    )
     with pytest.raises(CommunicationError, match=disagreement):
         ms.broadcast(mine, root=min(rank(), 1))
     assert torch.equal(mine, torch.full((2,), float(rank())))

@@ -185,3 +185,18 @@ def test_the_slurm_launchers_compose_for_submitit(launcher: str, partition: str 
     assert node._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert node.partition == partition and node.tasks_per_node == 2
     assert "export SLURM_MPI_TYPE=pmi2" in node.setup  # srun gives the ranks an MPI world (MPICH)
+
+
+def test_the_stall_watchdog_and_flight_recorder_are_strategy_options(tmp_path: Path) -> None:
+    from mpistrategy.comm import flight, watchdog
+    from mpistrategy.recipes.builders import build_run
+
+    before = (watchdog.stall_timeout(), watchdog.stall_action(), flight.flight_directory())
+    overrides = ["strategy.stall_timeout=42", "strategy.stall_action=warn", f"strategy.flight_dir={tmp_path}/flight"]
+    try:
+        build_run(_compose(overrides, tmp_path))
+        assert (watchdog.stall_timeout(), watchdog.stall_action()) == (42.0, "warn")
+        assert flight.flight_directory() == tmp_path / "flight"
+    finally:
+        watchdog.set_stall_timeout(before[0], before[1])
+        flight.set_flight_directory(before[2])

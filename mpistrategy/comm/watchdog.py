@@ -1,0 +1,375 @@
+"""The stall watchdog: when a rank has waited in a collective too long, every rank says where it is, then the job ends.
+
+A thread on every rank (started when mpistrategy is imported, with more than one rank) looks once per poll
+interval at the thread that entered the last collective (and the main thread): when its innermost Python frame
+has been inside mpistrategy for longer than the stall timeout without entering another collective (blocked in an
+MPI call, a shared-memory wait, a backward collective or the strategy's gradient sync), the rank is stalled. Its
+watchdog then tells every other rank's watchdog, on a communicator of their own (a duplicate of the world, used
+with non-blocking sends and probes only; it never waits in the stuck collective), and every rank that can still
+speak sends its state to all others: the collective it is in or entered last (op, arguments, call site, how long
+ago; :mod:`mpistrategy.comm.calls`), its collective counts and its Python stack, which shows a rank stuck in a C
+call (``time.sleep``, a blocked read in a data loader) at the line that called it. Each rank prints the report
+(which ranks have not arrived, each rank's last collective, its own stack), writes its flight record
+(:mod:`mpistrategy.comm.flight`) and, unless the action is ``"warn"``, exits with :data:`STALL_EXIT_CODE`. When
+some rank did not answer, the lowest rank that answered first waits for the others to end and then calls
+``MPI_Abort`` with that code, which ends the ranks that could not answer (a launcher on a cluster does not end the
+ranks on other nodes when one exits).
+
+Settings: ``MPISTRATEGY_STALL_TIMEOUT`` (seconds, default :data:`DEFAULT_TIMEOUT`; 0 turns the watchdog off) and
+``MPISTRATEGY_STALL_ACTION`` (``"abort"``, the default, or ``"warn"``), or :func:`set_stall_timeout` in Python (on
+every rank alike). A rank whose watchdog thread cannot run (a C extension holding the GIL, a dead process) does not
+answer and is named as such.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+from types import FrameType
+from typing import Any
+
+from mpi4py import MPI
+
+from mpistrategy.comm import calls, flight
+
+#: the exit code of a rank ended by the watchdog (EX_PROTOCOL of sysexits.h is 76; 86 is mpistrategy's own)
+STALL_EXIT_CODE = 86
+#: the default stall timeout in seconds: longer than any healthy wait in a collective on a cluster
+DEFAULT_TIMEOUT = 300.0
+ACTIONS = ("abort", "warn")
+
+# How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
+_ANSWER_SECONDS = 3.0
+_ALARM, _STATE = 1, 2
+# The launcher forwards a report's output before it tears the job down within this time.
+_OUTPUT_SECONDS = 0.5
+_PACKAGE_ROOT = calls.package_root()
+_exit_process = os._exit
+
+
+def _timeout_from_environment() -> float:
+    text = os.environ.get("MPISTRATEGY_STALL_TIMEOUT", "").strip()
+    try:
+        seconds = float(text) if text else DEFAULT_TIMEOUT
+    except ValueError:
+        raise ValueError(
+            f"MPISTRATEGY_STALL_TIMEOUT={text!r} is not a number of seconds; set it to e.g. 300, or 0 to turn the "
+            "stall watchdog off."
+        ) from None
+    return _checked_timeout(seconds)
+
+
+def _checked_timeout(seconds: float) -> float:
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
+        raise ValueError(f"stall timeout: {seconds!r} is not a number of seconds >= 0 (0 turns the watchdog off).")
+    return float(seconds)
+
+
+def _checked_action(action: str) -> str:
+    if action not in ACTIONS:
+        raise ValueError(f"stall action: {action!r} is not one of {ACTIONS}.")
+    return action
+
+
+_timeout = _timeout_from_environment()
+_action = _checked_action(os.environ.get("MPISTRATEGY_STALL_ACTION", "abort").strip().lower() or "abort")
+
+
+def set_stall_timeout(seconds: float, action: str | None = None) -> None:
+    """Report a rank that waited more than ``seconds`` in a collective (0: never); ``action`` ``"abort"`` ends the
+    job with exit code :data:`STALL_EXIT_CODE` after the report, ``"warn"`` only reports. Call it on every rank."""
+    global _timeout, _action
+    _timeout = _checked_timeout(seconds)
+    if action is not None:
+        _action = _checked_action(action)
+
+
+def stall_timeout() -> float:
+    """The stall timeout in seconds (0: the watchdog is off)."""
+    return _timeout
+
+
+def stall_action() -> str:
+    """``"abort"`` or ``"warn"``: what the watchdog does after its report."""
+    return _action
+
+
+def _inside_package(frame: FrameType | None) -> bool:
+    return frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_ROOT)
+
+
+class Watchdog:
+    """The watchdog thread of this rank (see the module docstring); creating it is collective over ``comm``."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._stopping = threading.Event()
+        self._polled_key = -1  # the call log's entry count at the previous poll
+        self._watched_key = -1  # the call log's entry count when the current wait was first seen
+        self._since = 0.0
+        self._reported_key = -1
+        self._sends: list[MPI.Request] = []
+        self._thread = threading.Thread(target=self._run, name="mpistrategy-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (returns once it has left MPI)."""
+        self._stopping.set()
+        self._thread.join()
+        for request in self._sends:
+            if not request.Test():
+                request.Cancel()
+        self._sends = []
+
+    def _interval(self) -> float:
+        return 1.0 if _timeout <= 0 else min(1.0, max(0.05, _timeout / 10))
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval()):
+            trigger = self._received_alarm()
+            if trigger is None and _timeout > 0:
+                trigger = self._own_stall()
+            if trigger is not None:
+                self._report(trigger)
+
+    # ------------------------------------------------------------------------------------------------ detection
+
+    def _waiting_frames(self) -> dict[int, FrameType]:
+        frames = sys._current_frames()
+        watched = {threading.main_thread().ident, calls.current_thread}
+        return {ident: frames[ident] for ident in watched if ident is not None and ident in frames}
+
+    def _own_stall(self) -> dict[str, Any] | None:
+        """This rank's alarm, once it has waited in mpistrategy longer than the timeout (sent to every rank).
+
+        The threads' frames are looked at only once no collective was entered for a whole poll interval: a frame
+        object held here keeps its locals (tensors) alive after the function returns, which must not happen while
+        the program runs (it could not free a shared-memory window, for one)."""
+        key = calls.entries()
+        if key != self._polled_key:
+            self._polled_key = key
+            self._watched_key = -1
+            return None
+        if not any(_inside_package(frame) for frame in self._waiting_frames().values()):
+            self._watched_key = -1
+            return None
+        now = time.time()
+        if key != self._watched_key:
+            self._watched_key = key
+            current = calls.current
+            self._since = current.started if current is not None else now
+        waited = now - self._since
+        if waited <= _timeout or key == self._reported_key:
+            return None
+        self._reported_key = key
+        alarm = {
+            "rank": self.rank,
+            "waited": waited,
+            "call": _call_state(calls.current),
+            "where": _innermost(self._waiting_frames()),
+            "last": _call_state(calls.last),
+        }
+        message = pickle.dumps(alarm)
+        for other in range(self.size):
+            if other != self.rank:
+                self._send(message, other, _ALARM)
+        return alarm
+
+    def _received_alarm(self) -> dict[str, Any] | None:
+        alarm = None
+        status = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, _ALARM, status):
+            message = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv([message, MPI.BYTE], status.Get_source(), _ALARM)
+            alarm = alarm or pickle.loads(message)
+        if alarm is not None:
+            self._reported_key = calls.entries()
+        return alarm
+
+    def _send(self, message: bytes, dest: int, tag: int) -> None:
+        try:
+            self._sends.append(self.comm.Isend([message, MPI.BYTE], dest, tag))
+        except MPI.Exception:  # a rank that is gone cannot be told
+            pass
+
+    # --------------------------------------------------------------------------------------------------- report
+
+    def _state(self) -> dict[str, Any]:
+        frames = self._waiting_frames()
+        stacks = {
+            threading.main_thread().name if ident == threading.main_thread().ident else f"thread {ident}": "".join(
+                traceback.format_stack(frame)
+            )
+            for ident, frame in frames.items()
+        }
+        current = calls.current
+        return {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "time": time.time(),
+            "inside": any(_inside_package(frame) for frame in frames.values()),
+            "current": _call_state(current),
+            "last": _call_state(calls.last),
+            "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
+            "where": _innermost(frames),
+            "now": _now_at(frames.get(threading.main_thread().ident or 0)),
+            "stacks": stacks,
+        }
+
+    def _report(self, trigger: dict[str, Any]) -> None:
+        mine = self._state()
+        message = pickle.dumps(mine)
+        for other in range(self.size):
+            if other != self.rank:
+                self._send(message, other, _STATE)
+        states: dict[int, dict[str, Any]] = {self.rank: mine}
+        deadline = time.monotonic() + _ANSWER_SECONDS
+        status = MPI.Status()
+        while len(states) < self.size and time.monotonic() < deadline and not self._stopping.is_set():
+            if self.comm.Iprobe(MPI.ANY_SOURCE, _STATE, status):
+                received = bytearray(status.Get_count(MPI.BYTE))
+                self.comm.Recv([received, MPI.BYTE], status.Get_source(), _STATE)
+                state = pickle.loads(received)
+                states[state["rank"]] = state
+            else:
+                time.sleep(0.01)
+        text = format_report(trigger, states, self.size, self.rank, _timeout, _action)
+        flight.dump("stall", {"report": text, "states": {str(rank): state for rank, state in states.items()}})
+        _write(text)
+        if _action == "abort":
+            deadline = time.monotonic() + 1.0
+            while self._sends and not MPI.Request.Testall(self._sends) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(_OUTPUT_SECONDS)  # the launcher forwards the output before it tears the job down
+            if len(states) < self.size and self.rank == min(states):
+                # Once every rank that can speak has reported and ended, the lowest of them (the same on every rank
+                # that heard the same ranks) ends the ranks that could not answer with MPI_Abort: a launcher on a
+                # cluster does not end the ranks on other nodes when one exits by itself.
+                time.sleep(_ANSWER_SECONDS)
+                self.comm.Abort(STALL_EXIT_CODE)
+            _exit_process(STALL_EXIT_CODE)
+
+
+def _call_state(call: calls.Call | None) -> dict[str, Any] | None:
+    if call is None:
+        return None
+    return {**call.as_dict(), "members": list(calls.members(call.channel)), "key": calls.key(call.channel)}
+
+
+def _now_at(frame: FrameType | None) -> str:
+    """``file:line (in function)`` of a thread's innermost frame."""
+    if frame is None:
+        return "?"
+    return f"{calls.short_path(frame.f_code.co_filename)}:{frame.f_lineno} (in {frame.f_code.co_name})"
+
+
+def _innermost(frames: dict[int, FrameType]) -> str | None:
+    """``function (file:line)`` of the innermost mpistrategy frame of a watched thread that waits in mpistrategy."""
+    for frame in frames.values():
+        if _inside_package(frame):
+            where = f"{frame.f_code.co_filename.removeprefix(_PACKAGE_ROOT)}:{frame.f_lineno}"
+            return f"{frame.f_code.co_name} (mpistrategy/{where})"
+    return None
+
+
+def _write(text: str) -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a broken stream must not stop the exit
+        pass
+
+
+def _ago(state: dict[str, Any], call: dict[str, Any]) -> float:
+    return state["time"] - call["started"]
+
+
+def format_report(
+    trigger: dict[str, Any], states: dict[int, dict[str, Any]], size: int, rank: int, timeout: float, action: str
+) -> str:
+    """The stall report as rank ``rank`` prints it: which ranks have not arrived, every rank's last collective, and
+    this rank's stack."""
+    call = trigger["call"]
+    if call is not None:
+        waited_in = f"{call['call']} (call #{call['count']} on its communicator) at {call['site']}"
+        members = [int(r) for r in call["members"]]
+        missing = [
+            other
+            for other in members
+            if other in states and states[other]["counts"].get(call["key"], 0) < call["count"]
+        ]
+    else:
+        last = trigger["last"]
+        after = "" if last is None else f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
+        waited_in, members, missing = f"{trigger['where']}{after}", list(range(size)), []
+    silent = [other for other in range(size) if other not in states]
+    lines = [
+        f"[mpistrategy] stall (reported on rank {rank}): rank {trigger['rank']} has waited "
+        f"{trigger['waited']:.1f} s in {waited_in} (MPISTRATEGY_STALL_TIMEOUT={timeout:g} s)."
+    ]
+    if missing:
+        lines.append(f"  not arrived: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
+    if silent:
+        lines.append(
+            f"  did not answer: rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} (gone, or "
+            "holding the GIL in a C call: its watchdog thread cannot run)"
+        )
+    for other in range(size):
+        state = states.get(other)
+        if state is None:
+            lines.append(f"  rank {other}: did not answer")
+            continue
+        where = f"{state['host']}, pid {state['pid']}"
+        current, last = state["current"], state["last"]
+        if state["inside"] and current is not None:
+            text = f"waiting {_ago(state, current):.1f} s in {current['call']} #{current['count']} at {current['site']}"
+        elif state["inside"]:
+            text = f"waiting in {state['where']}"
+            if last is not None:
+                text += f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
+                text += f", entered {_ago(state, last):.1f} s ago"
+        elif last is not None:
+            text = (
+                f"not in a collective, now at {state['now']}; last entered {last['call']} #{last['count']} at "
+                f"{last['site']} {_ago(state, last):.1f} s ago"
+            )
+        else:
+            text = f"not in a collective, now at {state['now']}; has entered none yet"
+        lines.append(f"  rank {other} ({where}): {text}")
+    own = states.get(rank)
+    if own is not None:
+        for name, stack in own["stacks"].items():
+            lines.append(f"[mpistrategy] rank {rank}'s stack ({name}), innermost last:")
+            lines.append(stack.rstrip("\n"))
+    if action == "abort":
+        lines.append(
+            f"[mpistrategy] rank {rank} ends with exit code {STALL_EXIT_CODE} (stall watchdog; "
+            "MPISTRATEGY_STALL_ACTION=warn only reports)."
+        )
+    return "\n".join(lines) + "\n"
+
+
+_watchdog: Watchdog | None = None
+
+
+def start(comm: MPI.Intracomm) -> None:
+    """Start this rank's watchdog (collective over ``comm``; nothing to watch with one rank). Idempotent."""
+    global _watchdog
+    if _watchdog is None and comm.Get_size() > 1:
+        _watchdog = Watchdog(comm)
+
+
+@atexit.register
+def _stop() -> None:
+    """Registered after mpi4py's finaliser, so it runs first: the thread has left MPI when MPI is finalised."""
+    if _watchdog is not None:
+        _watchdog.stop()

@@ -1,0 +1,143 @@
+"""Desynchronised ranks diagnosed: fingerprints name every rank's call and place, the stall watchdog reports a rank
+that never arrives (in Python and in a C call) and ends the job, the flight records name the first divergence.
+
+Each job runs tests/comm/scripts/desync.py: three desync cases that every rank survives, then a stall."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mpistrategy.comm.flight import main as flight_main
+from mpistrategy.comm.watchdog import STALL_EXIT_CODE, set_stall_timeout, stall_timeout
+from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
+
+pytestmark = OUTER_RUN_ONLY
+
+SCRIPT = Path(__file__).parent / "scripts" / "desync.py"
+STALL_TIMEOUT = 3
+
+
+def line_of(marker: str) -> str:
+    """``desync.py:<line>`` of the line that carries ``# marker: <marker>``."""
+    for number, text in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if text.endswith(f"# marker: {marker}"):
+            return f"desync.py:{number}"
+    raise AssertionError(marker)
+
+
+def caught(output: str, case: str, rank: int) -> str:
+    found = re.search(rf"CAUGHT {case} {rank} (.*?)(?=CAUGHT |PASSED |$)", output, re.MULTILINE)
+    assert found, f"rank {rank} raised nothing in {case}:\n{output[-3000:]}"
+    return found.group(1)
+
+
+@pytest.mark.parametrize(("ranks", "late_in"), [(3, "sleep"), (2, "spin")])
+def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_job(
+    ranks: int, late_in: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    late = ranks - 1
+    code, output, ended = run_mpi_job(
+        SCRIPT,
+        ranks,
+        late_in,
+        timeout=90,
+        MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT),
+        MPISTRATEGY_FLIGHT_DIR=str(tmp_path),
+    )
+    others = range(late)
+    for rank in range(ranks):
+        message = caught(output, "different_ops", rank)
+        assert "ranks called different collectives" in message
+        for other in others:
+            assert f"rank {other}: allreduce(float32[4], op=sum) at " in message
+            assert line_of("allreduce") in message
+        assert f"rank {late}: broadcast(root=0) at " in message and line_of("broadcast") in message
+
+        message = caught(output, "other_arguments", rank)
+        assert "rank 0: allreduce(float32[4], op=sum) at " in message
+        assert f"rank {late}: allreduce(float32[5], op=max) at " in message and line_of("other arguments") in message
+
+        message = caught(output, "skipped_call", rank)
+        assert "rank 0: allgather(float32[4], dim=0) at " in message and line_of("skipped") in message
+        assert f"rank {late}: allreduce(float32[4], op=sum) at " in message and line_of("after skipped") in message
+
+        message = caught(output, "behind", rank)
+        assert f"rank {late} is 1 call behind" in message
+        assert "rank 0: iallreduce(float32[4], op=sum) at " in message and line_of("unchecked") in message
+
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    assert "UNREACHED" not in output
+    started = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - started <= STALL_TIMEOUT + 10, f"the job ended {ended - started:.1f} s after the stall began"
+    for rank in range(ranks):
+        report = output[output.index(f"stall (reported on rank {rank})") :]
+        assert "in allreduce(float32[4], op=sum) (call #7 on its communicator) at " in report
+        assert f"not arrived: rank {late}\n" in report
+        assert re.search(
+            rf"rank {late} \(.*\): not in a collective, now at \S*{line_of(late_in)} \(in <module>\); "
+            r"last entered allreduce\(float32\[4\], op=sum\) #6",
+            report,
+        )
+        for other in others:
+            assert re.search(rf"rank {other} \(.*\): waiting \d+\.\d s in allreduce\(float32\[4\], op=sum\) #7", report)
+        assert f"rank {rank} ends with exit code {STALL_EXIT_CODE}" in report
+    own_stack = output[output.index(f"rank {late}'s stack (MainThread)") :]
+    expected = "time.sleep(120)" if late_in == "sleep" else "while time.time() < deadline:"
+    assert expected in own_stack.split("[mpistrategy]")[0]
+    assert line_of(late_in).replace("desync.py:", "line ") in own_stack.split("[mpistrategy]")[0]
+
+    assert sorted(path.name for path in tmp_path.glob("rank*.json")) == [f"rank{r}.json" for r in range(ranks)]
+    capsys.readouterr()
+    assert flight_main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert f"rank {late} (" in printed and "stall): 6 calls recorded, after #6 allreduce(float32[4], op=sum)" in printed
+    assert "inside #7 allreduce(float32[4], op=sum) at " in printed and line_of("waits") in printed
+    # the first divergence of the ranks' calls: the op that the late rank called differently
+    assert "call #1 differs: rank 0: allreduce(float32[4], op=sum) at " in printed
+    assert f"rank {late}: broadcast(root=0) at " in printed
+
+
+def test_in_warn_mode_a_stall_is_reported_once_and_the_job_goes_on(tmp_path: Path) -> None:
+    code, output, _ = run_mpi_job(
+        SCRIPT,
+        2,
+        "late",
+        timeout=90,
+        MPISTRATEGY_STALL_TIMEOUT="2",
+        MPISTRATEGY_STALL_ACTION="warn",
+        MPISTRATEGY_FLIGHT_DIR=str(tmp_path),
+    )
+    assert code == 0, output[-4000:]
+    assert "ARRIVED 0" in output and "ARRIVED 1" in output
+    assert output.count("stall (reported on rank 0)") == 1 and output.count("stall (reported on rank 1)") == 1
+    assert "not arrived: rank 1" in output and "ends with exit code" not in output
+
+
+@pytest.mark.parametrize("seconds", [-1, float("nan"), "10", True])
+def test_a_stall_timeout_that_is_no_number_of_seconds_is_refused(seconds: object) -> None:
+    with pytest.raises(ValueError, match="not a number of seconds >= 0"):
+        set_stall_timeout(seconds)  # type: ignore[arg-type]
+
+
+def test_an_unknown_stall_action_is_refused() -> None:
+    with pytest.raises(ValueError, match="stall action: 'exit' is not one of"):
+        set_stall_timeout(stall_timeout(), "exit")
+
+
+def test_a_rank_that_cannot_answer_is_named_and_aborted(tmp_path: Path) -> None:
+    """A rank holding the GIL in a C call cannot answer: the others name it, and the lowest of them ends it with
+    MPI_Abort (mpiexec reports 86 or the SIGKILL that ended the silent rank)."""
+    code, output, ended = run_mpi_job(
+        SCRIPT, 3, "gil", timeout=90, MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT), MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code in (STALL_EXIT_CODE, 9), output[-4000:]
+    started = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - started <= STALL_TIMEOUT + 10
+    for rank in (0, 1):
+        report = output[output.index(f"stall (reported on rank {rank})") :]
+        assert "did not answer: rank 2 (gone, or holding the GIL in a C call" in report
+        assert "rank 2: did not answer" in report
+    assert "stall (reported on rank 2)" not in output

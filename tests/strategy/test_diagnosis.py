@@ -1,0 +1,113 @@
+"""Training that goes astray on one rank is diagnosed instead of hanging, under the Trainer and Fabric and several
+sync modes: a skipped backward pass raises on every rank naming each rank's batch; a rank with a batch more, or
+stuck in its data loader, is reported by the stall watchdog, which ends the job (tests/strategy/scripts/
+desync_training.py; the late rank is the last one)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mpistrategy.comm.watchdog import STALL_EXIT_CODE
+from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
+
+pytestmark = OUTER_RUN_ONLY
+
+SCRIPT = Path(__file__).parent / "scripts" / "desync_training.py"
+STALL_TIMEOUT = 3
+
+
+def line_of(marker: str) -> str:
+    for number, text in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if text.endswith(f"# marker: {marker}"):
+            return f"desync_training.py:{number}"
+    raise AssertionError(marker)
+
+
+def run(framework: str, case: str, sync: str, ranks: int, tmp_path: Path) -> tuple[int, str]:
+    code, output, ended = run_mpi_job(
+        SCRIPT,
+        ranks,
+        framework,
+        case,
+        sync,
+        timeout=120,
+        MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT),
+        MPISTRATEGY_FLIGHT_DIR=str(tmp_path),
+    )
+    began = re.search(r"HANG (\d+\.\d+)", output)
+    assert began, output[-4000:]
+    assert ended - float(began.group(1)) <= STALL_TIMEOUT + 10, f"ended {ended - float(began.group(1)):.1f} s late"
+    return code, output
+
+
+def stack_of(output: str, rank: int) -> str:
+    return output[output.index(f"rank {rank}'s stack (MainThread)") :].split("[mpistrategy]")[0]
+
+
+def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Path) -> None:
+    code, output = run("trainer", "skip_backward", "flat", 2, tmp_path)
+    assert code == 1, output[-4000:]
+    site = re.escape(line_of("manual backward"))
+    message = (
+        rf"gradient sync: ranks disagree on the training batch \(rank 0: gradient sync\(training batch=1\) at "
+        rf"\S*{site}; rank 1: gradient sync\(training batch=2\) at \S*{site}\)"
+    )
+    assert re.search(message, output), output[-4000:]
+    assert output.count("raised an exception; aborting all ranks") >= 1
+
+
+def test_trainer_rank_with_a_batch_more_is_reported_by_the_watchdog(tmp_path: Path) -> None:
+    code, output = run("trainer", "extra_step", "hierarchical", 3, tmp_path)
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    for rank in range(3):
+        report = output[output.index(f"stall (reported on rank {rank})") :]
+        assert re.search(r"rank 0 \(.*\): waiting \d+\.\d s in gradient sync\(training batch=4\)", report), report
+        assert f"rank {rank} ends with exit code {STALL_EXIT_CODE}" in report
+    assert line_of("manual backward") in output
+    assert sorted(path.name for path in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json", "rank2.json"]
+
+
+@pytest.mark.parametrize(("framework", "sync", "ranks"), [("trainer", "daso", 2), ("fabric", "local_sgd", 3)])
+def test_rank_stuck_in_its_data_loader_is_reported_with_its_stack(
+    framework: str, sync: str, ranks: int, tmp_path: Path
+) -> None:
+    code, output = run(framework, "loader_hang", sync, ranks, tmp_path)
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    late = ranks - 1
+    for rank in range(ranks):
+        report = output[output.index(f"stall (reported on rank {rank})") :]
+        assert re.search(rf"rank {late} \(.*\): not in a collective", report), report
+        assert re.search(r"rank 0 \(.*\): waiting .*in _complete \(mpistrategy/sync/averaging.py:\d+\)", report)
+    stack = stack_of(output, late)
+    assert "time.sleep(120)  # marker: loader" in stack and f"line {line_of('loader').split(':')[1]}" in stack
+
+
+def test_fabric_rank_skipping_a_backward_pass_is_reported(tmp_path: Path) -> None:
+    """Fabric counts backward passes only: the late rank's extra step goes unnoticed until the other rank waits in
+    a gradient sync that the late rank, finished, never joins."""
+    code, output = run("fabric", "skip_backward", "flat", 2, tmp_path)
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    report = output[output.index("stall (reported on rank 0)") :]
+    assert re.search(r"rank 0 has waited \d+\.\d s in gradient sync\(backward pass=3\)", report), report
+    assert line_of("backward") in report
+    assert "rank 1: did not answer" in report or "rank 1 (" in report
+
+
+def test_strategy_options_set_the_stall_watchdog_and_the_flight_directory(tmp_path: Path) -> None:
+    from mpistrategy.comm import flight, watchdog
+    from mpistrategy.strategy.mpi_ad import MPIADStrategy
+
+    before = (watchdog.stall_timeout(), watchdog.stall_action(), flight.flight_directory())
+    try:
+        MPIADStrategy(stall_timeout=7, stall_action="warn", flight_dir=str(tmp_path))
+        assert (watchdog.stall_timeout(), watchdog.stall_action(), flight.flight_directory()) == (7.0, "warn", tmp_path)
+        MPIADStrategy(stall_action="abort")  # the timeout stays
+        assert (watchdog.stall_timeout(), watchdog.stall_action()) == (7.0, "abort")
+        with pytest.raises(ValueError, match="stall timeout: -1 is not a number of seconds"):
+            MPIADStrategy(stall_timeout=-1)
+    finally:
+        watchdog.set_stall_timeout(before[0], before[1])
+        flight.set_flight_directory(before[2])
