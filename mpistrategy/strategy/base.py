@@ -22,7 +22,7 @@ import os
 import signal
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -86,6 +86,12 @@ class MPIStrategyBase:
         flight_dir: where each rank writes its flight record (its last collectives) on a stall, an abort or a
             signal; ``None``: ``MPISTRATEGY_FLIGHT_DIR``, default ``./mpistrategy_flight``.
     """
+
+    if TYPE_CHECKING:  # provided by the Lightning strategy this class is mixed into
+        world_size: int
+        global_rank: int
+        cluster_environment: Any
+        parallel_devices: list[torch.device] | None
 
     strategy_name = "mpi_ad"
     _environment_class: type = MPIEnvironment
@@ -188,7 +194,7 @@ class MPIStrategyBase:
         ``rank_zero_only`` follow the MPI rank."""
         from lightning_utilities.core.rank_zero import rank_zero_only
 
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     _set_world_ranks = set_world_ranks
 

@@ -93,7 +93,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
 
     def __init__(self, *args: Any, **options: Any) -> None:
         super().__init__(*args, **options)
-        self._backward_sync_control = SkipGradientSync()
+        self._backward_sync_control: SkipGradientSync = SkipGradientSync()
         # copies taken before any setup, for the engines of the models after the first
         self._sync_template = copy.deepcopy(self.sync)
         self._aggregator_template = copy.deepcopy(self.aggregator)

@@ -35,7 +35,7 @@ import inspect
 import logging
 import signal
 from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     from lightning.pytorch.strategies import ParallelStrategy
@@ -77,6 +77,21 @@ class MPIADStrategyMixin(MPIStrategyBase):
     """
 
     _framework_name: str = LIGHTNING
+
+    if TYPE_CHECKING:  # provided by the Trainer's ParallelStrategy this class is mixed into
+        accelerator: Any
+        model: Any
+        precision_plugin: Any
+        checkpoint_io: Any
+        lightning_module: Any
+        is_global_zero: bool
+        optimizers: list[Any]
+        _lightning_optimizers: list[Any]
+        _layer_sync: Any
+
+        def setup_optimizers(self, trainer: Any) -> None: ...
+
+        def setup_precision_plugin(self) -> None: ...
 
     def __init__(
         self,
@@ -155,14 +170,14 @@ class MPIADStrategyMixin(MPIStrategyBase):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._engine is not None:
             self._engine.step_check.begin_batch()
-        output = super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)  # type: ignore[misc]
         if self._engine is not None and self._engine.sync.uses_loss:
             self._engine.record_loss(output.get("loss") if isinstance(output, dict) else output)
         return output
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The optimizer step, then the sync mode's model averaging; logs the step's bytes."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self._engine is not None:
             self._engine.after_optimizer_step()
             if self.log_traffic and self._writes_logs_this_step():
@@ -238,7 +253,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Lightning's (rank 0's) optimizer states, then this rank's own replica where the sync mode keeps one."""
-        super().load_optimizer_state_dict(checkpoint)
+        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
         state = checkpoint.get(CHECKPOINT_KEY)
         if state and self._engine is not None:
             self._engine.restore_replica(state)
