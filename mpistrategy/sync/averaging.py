@@ -129,7 +129,7 @@ class ModelAverager:
         for tensor in self.tensors:
             self._groups.setdefault(tensor.dtype, []).append(tensor)
         if route == "world":
-            self.world = Communicator(topology.gradients.comm.Dup())
+            self.world: Communicator | None = Communicator(topology.gradients.comm.Dup())
             self.node = self.leaders = None
         else:
             self.world = None
@@ -159,11 +159,12 @@ class ModelAverager:
 
     @property
     def _shares_node_memory(self) -> bool:
-        return self.route == "nodes" and self.node.size > 1 and shared_memory_mode() != "off"
+        return self.route == "nodes" and self.node is not None and self.node.size > 1 and shared_memory_mode() != "off"
 
     def _shared_flats(self, index: int) -> list[torch.Tensor]:
         """This rank's shared flats of set ``index`` for the next average (collective over the node): once every
         rank of the node got here, none still reads the leader's mean of the last average that used the set."""
+        assert self.node is not None  # the "nodes" route
         if self._shared is None:
             layout = [(tensors[0].dtype, sum(t.numel() for t in tensors)) for tensors in self._groups.values()]
             self._shared = SharedFlats(self.node.forward, layout)
@@ -172,6 +173,7 @@ class ModelAverager:
 
     def _node_sum(self, flat: torch.Tensor) -> None:
         """``flat`` <- its sum over the node's ranks (the shared-memory allreduce where it applies, else MPI's)."""
+        assert self.node is not None  # the "nodes" route
         self.traffic.add(NODE, flat.nbytes)
         group = group_for(self.node.forward, flat, "sum")
         if group is not None:
@@ -212,6 +214,7 @@ class ModelAverager:
                     flat.zero_()
         spans_nodes = self.topology.num_nodes > 1
         if self.route == "nodes":
+            assert self.node is not None
             for flat in flats:
                 if self.node.size > 1:
                     self._node_sum(flat)
@@ -269,6 +272,7 @@ class ModelAverager:
             MPI.Request.Waitall(averaging.requests)
         scale = 1.0 / averaging.contributors
         if averaging.shared_set is not None:  # the leader scales; the others read its mean in place
+            assert self.node is not None and self._shared is not None  # set up by the start that chose shared memory
             if self.node.rank == 0:
                 for flat, wire in zip(averaging.flats, averaging.wires, strict=False):
                     # a 1-element tensor, not a scalar: a bfloat16/float16 wire is multiplied in the flat's dtype
@@ -279,7 +283,7 @@ class ModelAverager:
         for flat, wire in zip(averaging.flats, averaging.wires, strict=False):  # no wires off the node leaders
             if wire is not flat:
                 flat.copy_(wire)
-        if self.route == "nodes" and self.node.size > 1:
+        if self.route == "nodes" and self.node is not None and self.node.size > 1:
             for flat in averaging.flats:
                 self.node.forward.Bcast(mpi_buffer(flat), root=0)
         for flat in averaging.flats:
