@@ -74,6 +74,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 from collections import deque
+from typing import cast
 
 import torch
 from mpi4py import MPI
@@ -111,7 +112,7 @@ _NOTICE_BYTES = 2000
 def _tag_bound(comm: Communicator) -> int:
     bound = _tag_bounds.get(comm)
     if bound is None:
-        bound = _tag_bounds[comm] = int(comm.comm.Get_attr(MPI.TAG_UB))
+        bound = _tag_bounds[comm] = int(cast(int, comm.comm.Get_attr(MPI.TAG_UB)))  # MPI sets it on every comm
     return bound
 
 
@@ -185,8 +186,10 @@ def _prepare_send(
     header, problem = attempt(_header_of, tensor, what)
     source = None if src is None else attempt(_check_peer, src, comm, what, "src")[1]
     if problem is None and source is None:
+        assert header is not None  # _header_of returned
         return comm, header
     problem = problem or source
+    assert problem is not None
     _notify(problem, comm, dst, tag, what)
     if src is not None and source is None:
         with contextlib.suppress(CommunicationError):  # src failed too: its notice is dropped like its message
@@ -260,10 +263,12 @@ class _Incoming:
         _count_self_message(self.comm, self.src, self.tag, -1)
 
     def result(self) -> torch.Tensor:
+        assert self.buffer is not None and self.meta is not None  # the data receive was posted
         return off_wire(self.buffer, self.meta.dtype, self.device)
 
     def failure(self) -> CommunicationError:
         """The error of a receive that got a failure notice (once its text has arrived)."""
+        assert self.buffer is not None  # the data receive was posted
         text = bytes(self.buffer.tolist()).decode(errors="replace")
         return CommunicationError(
             f"{self.what}: rank {self.src} failed the checks of the message it was sending to rank "
@@ -460,6 +465,7 @@ class _SendRecv(torch.autograd.Function):
         ctx.comm, ctx.dst, ctx.src = comm, dst, entry.src
         ctx.sent_number, ctx.received_number = number, entry.number
         ctx.shape, ctx.dtype, ctx.device = tensor.shape, tensor.dtype, tensor.device
+        assert entry.meta is not None  # the header has arrived
         ctx.return_gradient = entry.meta.requires_grad  # src expects the gradient of what it sent
         result = _receive(entry)
         _wait(sending[0])
@@ -525,6 +531,7 @@ def recv(
     _check_blocking_self(src, tag, comm, "recv")
     entry = _expect(comm, src, tag, torch.device(device) if device is not None else _CPU, "recv")
     _wait_header(entry)
+    assert entry.meta is not None
     return _Recv.apply(anchor(entry.meta.requires_grad, entry.meta.dtype), entry, comm)
 
 
@@ -550,6 +557,7 @@ def sendrecv(
     except CommunicationError:  # src sent a failure notice; dst still receives this rank's message
         _detached_sends.extend(zip(*sending, strict=True))
         raise
+    assert entry.meta is not None
     link = anchor(entry.meta.requires_grad, entry.meta.dtype)
     return _SendRecv.apply(tensor, link, entry, sending, number, dst, comm)
 
@@ -610,6 +618,7 @@ def irecv(
         return _Requests([], lambda: None)
 
     def wrap(result: torch.Tensor) -> torch.Tensor:
+        assert entry.meta is not None  # the data has arrived
         return result if entry.meta.requires_grad else result.detach()
 
     return Handle(link, Link(start_forward, start_backward), wrap)

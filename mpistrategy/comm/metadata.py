@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ class TensorMeta:
         return values + [0] * (HEADER_LENGTH - len(values))
 
     @classmethod
-    def decode(cls, header: Sequence[int]) -> TensorMeta:
+    def decode(cls, header: Sequence[int] | np.ndarray | torch.Tensor) -> TensorMeta:
         """The metadata in a received header (its values as a list, or an int64 array or tensor)."""
         values = header.tolist() if hasattr(header, "tolist") else list(header)
         ndim = values[2]
@@ -91,7 +92,7 @@ def _shared_bytes(comm: Communicator) -> memoryview:
     """The bytes of the communicator's fingerprint, which carries a header sent with the cross-rank check."""
     found = _shared.get(comm)
     if found is None:
-        found = _shared[comm] = memoryview(comm.fingerprint).cast("B")
+        found = _shared[comm] = memoryview(comm.fingerprint).cast("B")  # type: ignore[arg-type]
     return found
 
 
@@ -125,14 +126,14 @@ def exchange_meta(
     if agreeing(comm):
         values, raw = comm.fingerprint, _shared_bytes(comm)
         values[_OUT_SLOT] = comm.rank if out_given else -1
-        raw[_HEADER_OFFSET:_HEADER_END] = header if is_root and problem is None else _LOWEST
+        raw[_HEADER_OFFSET:_HEADER_END] = cast(bytes, header) if is_root and problem is None else _LOWEST
         agree(comm, what, local, describe, problem, shared=values)
         return _decoded(bytes(raw[_HEADER_OFFSET:_HEADER_END])), int(values[_OUT_SLOT])
     agree(comm, what, local, describe, problem, deferred=True)  # registers the call; exchanges nothing
     if problem is not None and not is_root:
         raise alone(problem, comm, what)
     if is_root:
-        buffer = bytearray(header if problem is None else _FAILED)
+        buffer = bytearray(cast(bytes, header) if problem is None else _FAILED)
     else:
         buffer = bytearray(_HEADER_BYTES)
     comm.forward.Bcast([buffer, MPI.BYTE], root=root)
