@@ -31,7 +31,7 @@ def _reversed(comm: Communicator) -> MPI.Intracomm:
 
     Made once per communicator, by every rank in the first product that autograd records (collective).
     """
-    return comm.forward.Split(0, comm.size - 1 - comm.rank)
+    return comm.forward.Split(0, comm.size - 1 - comm.rank)  # type: ignore[return-value]  # mpi4py: Comm
 
 
 def start_exclusive_product(tensor: torch.Tensor, comm: Communicator) -> Pending:

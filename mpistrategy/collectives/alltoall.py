@@ -106,7 +106,7 @@ def alltoall_v(
     what = "alltoall_v"
     comm = resolve(comm)
     checked_sizes, problem = attempt(_alltoall_v_arguments, tensor, send_sizes, recv_sizes, dim, comm)
-    local, dim, sends, receives = checked_sizes if problem is None else ((), 0, None, None)
+    local, dim, sends, receives = checked_sizes if checked_sizes is not None else ((), 0, None, None)
     learned: list[int] | None = None
     if recv_sizes is None or agreeing(comm):
         learned = _exchange_counts(comm, sends)

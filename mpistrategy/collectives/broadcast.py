@@ -96,13 +96,15 @@ def broadcast(
     """
     comm = resolve(comm)
     arguments, problem = attempt(_broadcast_arguments, tensor, root, comm, device, out)
-    header, target = arguments if problem is None else (None, None)
+    header, target = arguments if arguments is not None else (None, None)
     meta, out_rank = exchange_meta(comm, "broadcast", root, header, (root,), "root", problem, out_given=out is not None)
+    assert target is not None  # exchange_meta raised this rank's problem
     if out_rank >= 0 and meta.requires_grad:  # out= on a receiver, refused now that it knows autograd records
         late = attempt(check_out, out, True, "broadcast")[1]
         if agreeing(comm):  # every rank knows that some rank passed out=: all raise
             report(comm, "broadcast", (root,), "root", late)
         _receive(tensor, meta, target, root, comm)  # take part, so that no rank waits for this one, then raise
+        assert late is not None  # out= was given on this rank
         raise alone(late, comm, "broadcast")
     if not meta.requires_grad:  # no rank records the op: skip the autograd node
         return _receive(tensor, meta, target, root, comm, out)
@@ -131,6 +133,7 @@ def _broadcast_arguments(
         check_out(out, False, "broadcast")
         return None, receive_device(tensor, device, "broadcast")
     header = header_of(tensor, root, "broadcast")
+    assert tensor is not None  # header_of raised otherwise
     if out is not None:
         check_out(out, grad_flag(tensor), "broadcast", None if out is tensor else tensor.shape, tensor.dtype)
     return header, tensor.device

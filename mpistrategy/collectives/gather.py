@@ -108,6 +108,7 @@ def check_along(tensor: object, dim: int, what: str) -> int:
     """Local checks of a tensor to communicate along ``dim``; returns ``dim`` normalised (0 <= dim < ndim)."""
     check_dim_argument(dim, what)
     check_tensor(tensor, what)
+    assert isinstance(tensor, torch.Tensor)  # check_tensor raised otherwise
     check_dtype(tensor.dtype, what)
     ndim = tensor.dim()
     if ndim == 0:
@@ -125,7 +126,7 @@ def check_sizes(
     """``sizes`` as a list of ints; raises unless it gives one non-negative length per rank (adding up to
     ``total`` if given)."""
     try:
-        values = [operator.index(size) for size in sizes]  # type: ignore[union-attr]
+        values = [operator.index(size) for size in sizes]  # type: ignore[attr-defined]
     except TypeError:
         raise TypeError(f"{what}: {name} must be a sequence of ints (one per rank), got {sizes!r}.") from None
     if len(values) != parts or min(values, default=0) < 0:
@@ -202,7 +203,7 @@ def _prepare_along(
         return signature(tensor, recorded, dim, *extra, *listed, skip_dim=normalised), normalised, length, known
 
     result, problem = attempt(local_checks)
-    local, normalised, length, known = result if problem is None else ((), 0, -1, None)
+    local, normalised, length, known = result if result is not None else ((), 0, -1, None)
     exchanged = not equal and sizes is None
     agree(comm, what, local, describe, problem, deferred=exchanged)
     if not exchanged:
@@ -342,6 +343,7 @@ def _scatter_arguments(
     if comm.rank != root:
         return None, receive_device(tensor, device, what), None
     header = header_of(tensor, root, what)
+    assert tensor is not None  # header_of raised otherwise
     dim = check_along(tensor, dim, what)
     length = tensor.shape[dim]
     if not equal:
@@ -367,7 +369,7 @@ def _scatter(
 ) -> torch.Tensor:
     comm = resolve(comm)
     arguments, problem = attempt(_scatter_arguments, what, tensor, root, dim, comm, sizes, device, equal)
-    header, target, sizes = arguments if problem is None else (None, None, None)
+    header, target, sizes = arguments if arguments is not None else (None, None, None)
     meta, _ = exchange_meta(comm, what, root, header, (root, dim, equal), _DESCRIBE_SCATTER, problem)
     dim %= len(meta.shape)  # the root checked dim against its tensor
     if equal:

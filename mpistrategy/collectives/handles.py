@@ -12,7 +12,7 @@ forward one did. The user sees a :class:`Handle`; ``handle.wait()`` applies Fini
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from mpi4py import MPI
@@ -60,6 +60,14 @@ class Then:
         return self.pending.test()
 
 
+class Work(Protocol):
+    """A result in flight: :class:`Pending`, :class:`Then` or the shared-memory allreduce's work."""
+
+    def wait(self) -> Any: ...
+
+    def test(self) -> bool: ...
+
+
 class Link:
     """The state shared by one op's Start and Finish nodes."""
 
@@ -67,13 +75,13 @@ class Link:
 
     def __init__(
         self,
-        start_forward: Callable[[torch.Tensor], Pending],
-        start_backward: Callable[[torch.Tensor], Pending | Then],
+        start_forward: Callable[[torch.Tensor], Work],
+        start_backward: Callable[[torch.Tensor], Work],
     ) -> None:
         self.start_forward = start_forward
         self.start_backward = start_backward
-        self.forward: Pending | None = None
-        self.backward: Pending | None = None
+        self.forward: Work | None = None
+        self.backward: Work | None = None
 
 
 class _Start(torch.autograd.Function):
@@ -92,6 +100,7 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token: torch.Tensor, link: Link) -> torch.Tensor:
         ctx.link = link
+        assert link.forward is not None  # posted by Start
         return link.forward.wait()
 
     @staticmethod
@@ -121,6 +130,7 @@ class Handle:
     @eager_under_compile
     def wait(self) -> Any:
         """Complete the op and return its result, linked into the autograd graph when the input was."""
+        assert self._link.forward is not None  # posted at construction
         if self._result is None:
             result = _Finish.apply(self._token, self._link) if self._recorded else self._link.forward.wait()
             self._result = self._wrap(result) if self._wrap else result
@@ -129,6 +139,7 @@ class Handle:
     @eager_under_compile
     def test(self) -> bool:
         """Whether the op has completed; ``wait()`` must still be called to get the result."""
+        assert self._link.forward is not None  # posted at construction
         return self._result is not None or self._link.forward.test()
 
     def is_completed(self) -> bool:

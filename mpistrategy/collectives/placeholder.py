@@ -70,6 +70,7 @@ class Placeholder:
             linked = [a.as_loss_term() if isinstance(a, Placeholder) else a for a in args]
             return func(*linked, **kwargs)
         holder = _find_placeholder((*args, *kwargs.values()))
+        assert holder is not None  # torch calls this only when an argument is a Placeholder
         where = f"rank {holder.holder}" if holder.holder is not None else "other ranks"
         raise TypeError(
             f"{holder.op}'s result is not on this rank: it is held by {where}. This rank holds a Placeholder "

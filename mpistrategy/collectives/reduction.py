@@ -26,6 +26,7 @@ through the shared-memory flags once a communicator's ranks have them.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from mpi4py import MPI
@@ -274,6 +275,7 @@ class _NonBlockingProduct:
     def start_forward(self, tensor: torch.Tensor) -> Pending:
         scans = start_exclusive_product(tensor, self.comm)
         product = _start_allreduce(tensor, "prod", self.comm.forward, self.comm.size)
+        assert isinstance(product, Pending)  # products never take the shared-memory allreduce
 
         def finish() -> torch.Tensor:
             self.others = scans.finish()
@@ -283,7 +285,7 @@ class _NonBlockingProduct:
 
     def start_backward(self, grad: torch.Tensor) -> Then:
         total = _start_allreduce(grad, "sum", self.comm.backward, self.comm.size)  # through shared memory maybe
-        return Then(total, lambda summed: times_others(summed, self.others))
+        return Then(total, lambda summed: times_others(summed, cast(torch.Tensor, self.others)))
 
 
 def _broadcast_from(

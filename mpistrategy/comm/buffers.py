@@ -280,7 +280,7 @@ def off_wire(buffer: torch.Tensor, dtype: torch.dtype, device: torch.device) -> 
 
 def check_out(
     out: object,
-    recorded: bool,
+    recorded: int,
     what: str,
     shape: tuple[int, ...] | None = None,
     dtype: torch.dtype | None = None,
@@ -303,7 +303,7 @@ def check_out(
         raise _out_mismatch(out, shape, dtype, what)
 
 
-def _out_mismatch(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> ValueError:
+def _out_mismatch(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None, what: str) -> ValueError:
     return ValueError(
         f"{what}: out= has shape {tuple(out.shape)} and dtype {out.dtype}, but the result has shape "
         f"{tuple(shape)} and dtype {dtype}; pass an out of that shape and dtype, or no out."

@@ -28,12 +28,12 @@ class Communicator:
     :func:`resolve` returns the same object for the same MPI communicator.
     """
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm | Communicator) -> None:
         if isinstance(comm, Communicator):
             comm = comm.comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"expected an mpi4py intracommunicator (such as MPI.COMM_WORLD), got {comm!r}.")
-        self.comm = comm
+        self.comm: MPI.Intracomm = comm
         self.forward = comm.Dup()
         self.backward = comm.Dup()
         self.checks = comm.Dup()

@@ -109,6 +109,6 @@ def or_exchange(comm: MPI.Intracomm, nbytes: int) -> OrExchange:
     if shared_memory_mode() != "off":
         shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         if shared.Get_size() == comm.Get_size():
-            return SharedOr(shared, nbytes)
+            return SharedOr(shared, nbytes)  # type: ignore[arg-type]  # mpi4py types Split_type's result as Comm
         shared.Free()
     return MPIOr(comm)

@@ -45,7 +45,7 @@ def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:
 def machine_comm() -> MPI.Intracomm:
     """The ranks of the world that share memory with this process (collective over the world on first use)."""
     world = MPI.COMM_WORLD
-    return world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    return world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())  # type: ignore[return-value]  # mpi4py: Comm
 
 
 class Segment:
@@ -65,7 +65,7 @@ class Segment:
         self.participants = world_ranks(comm)
         self.nbytes = nbytes
         self.rank = comm.Get_rank()
-        self._window = window
+        self._window: MPI.Win | None = window  # None once freed
         self._index = {world_rank: index for index, world_rank in enumerate(self.participants)}
         self._parts = [self._part_of(rank) for rank in range(comm.Get_size())]
         self._typed: dict[tuple, torch.Tensor] = {}
@@ -73,6 +73,7 @@ class Segment:
         self.address = self._parts[self.rank].data_ptr()
 
     def _part_of(self, rank: int) -> torch.Tensor:
+        assert self._window is not None
         memory, _ = self._window.Shared_query(rank)
         start = -memory.address % PAGE
         return torch.frombuffer(memory, dtype=torch.uint8, count=self.nbytes, offset=start)
@@ -112,6 +113,7 @@ class Segment:
 
     def fence(self) -> None:
         """A full memory fence for loads and stores in shared memory (``MPI_Win_sync``)."""
+        assert self._window is not None, "fence on a freed segment"
         self._window.Sync()
 
     def in_use(self) -> bool:

@@ -229,9 +229,9 @@ def _build(world: MPI.Intracomm, ranks_per_node: int | None) -> Topology:
         machine_size=machine_size,
         hostname=hostname,
         main_address=main_address,
-        node_comm=node_comm,
-        leader_comm=leader_comm,
-        cross_comm=cross_comm,
+        node_comm=node_comm,  # type: ignore[arg-type]  # mpi4py types Split's result as Comm
+        leader_comm=leader_comm,  # type: ignore[arg-type]
+        cross_comm=cross_comm,  # type: ignore[arg-type]
         control=world.Dup(),
         gradients=Communicator(world.Dup()),
         node_gradients=Communicator(node_comm.Dup()),
