@@ -26,9 +26,10 @@ def check_integer(scheme: str, name: str, value: Any, low: int, high: int | None
     note = f" ({meaning})" if meaning else ""
     if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"{scheme}: {name} must be {allowed}{note}, got {value!r} ({type(value).__name__}).")
-    if value < low or (high is not None and value > high):
+    number = int(value)
+    if number < low or (high is not None and number > high):
         raise ValueError(f"{scheme}: {name}={value!r} is invalid; {name} must be {allowed}{note}.")
-    return int(value)
+    return number
 
 
 def check_number(scheme: str, name: str, value: Any, low: float) -> float:

@@ -26,10 +26,10 @@ def gather_rank_states(
     """Collective over ``comm``: every member's ``local`` state, gathered to its rank 0 and keyed by world rank
     (see the module docstring)."""
     if comm.Get_size() == 1:
-        everyone = [(world_rank, local)]
+        everyone: list[tuple[int, dict[str, Any]]] | None = [(world_rank, local)]
     else:
-        everyone = comm.gather((world_rank, local), root=0)
-    ranks = dict(everyone) if comm.Get_rank() == 0 else {world_rank: local}
+        everyone = comm.gather((world_rank, local), root=0)  # None off rank 0
+    ranks = dict(everyone) if everyone is not None else {world_rank: local}
     return {"scheme": scheme, "world_size": world_size, "ranks": ranks}
 
 

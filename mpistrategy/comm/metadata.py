@@ -92,7 +92,7 @@ def _shared_bytes(comm: Communicator) -> memoryview:
     """The bytes of the communicator's fingerprint, which carries a header sent with the cross-rank check."""
     found = _shared.get(comm)
     if found is None:
-        found = _shared[comm] = memoryview(comm.fingerprint).cast("B")  # type: ignore[arg-type]
+        found = _shared[comm] = memoryview(comm.fingerprint).cast("B")  # type: ignore[arg-type]  # numpy stubs: Buffer on 3.12+
     return found
 
 

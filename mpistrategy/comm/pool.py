@@ -58,7 +58,7 @@ class ReceivePool:
         with self._lock:
             storage = self._free_storage(nbytes)
             if storage is not None:
-                return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+                return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # stride optional
             tensor = torch.empty(shape, dtype=dtype)
             self._keep(nbytes, tensor.untyped_storage())
             return tensor
@@ -70,6 +70,7 @@ class ReceivePool:
             self._held = 0
 
     def _is_free(self, storage: torch.UntypedStorage) -> bool:
+        assert self._use_count is not None  # the capacity is 0 without it
         return self._use_count(storage._cdata) == 1  # only the pool's own reference is left
 
     def _free_storage(self, nbytes: int) -> torch.UntypedStorage | None:

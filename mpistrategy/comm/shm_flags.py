@@ -118,9 +118,10 @@ class Flags:
         segment = self._segment
         segment.part(self.rank).zero_()  # the MPI library may hand out memory it used before
         arrays = [segment.part(r).numpy() for r in range(self.size)]
-        self._words = [memoryview(a).cast("I") for a in arrays]
-        self._longs = [memoryview(a[_LONGS_BYTE:_DESCRIPTOR_BYTES]).cast("q") for a in arrays]
-        self._descriptors = [memoryview(a[_DESCRIPTOR_BYTES:]) for a in arrays]
+        # numpy's stubs give ndarray the buffer protocol only for Python >= 3.12
+        self._words = [memoryview(a).cast("I") for a in arrays]  # type: ignore[arg-type]
+        self._longs = [memoryview(a[_LONGS_BYTE:_DESCRIPTOR_BYTES]).cast("q") for a in arrays]  # type: ignore[arg-type]
+        self._descriptors = [memoryview(a[_DESCRIPTOR_BYTES:]) for a in arrays]  # type: ignore[arg-type]
         self._bells = [segment.part(r).data_ptr() + 4 * _BELL for r in range(self.size)]
         self._mine = self._words[self.rank]
         self._peers = [r for r in range(self.size) if r != self.rank]

@@ -76,7 +76,9 @@ class SyncBatchNorm(_BatchNorm):
         return out
 
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, total: float) -> None:
+        assert self.running_mean is not None and self.running_var is not None  # track_running_stats
         if self.momentum is None:
+            assert self.num_batches_tracked is not None
             factor = 1.0 / float(self.num_batches_tracked)
         else:
             factor = self.momentum
@@ -94,7 +96,7 @@ class SyncBatchNorm(_BatchNorm):
                 module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, comm=comm
             )
             _share_state(module, converted)
-            converted._mpistrategy_original_type = type(module)
+            converted._mpistrategy_original_type = type(module)  # type: ignore[assignment]  # torch: any value
             converted.training = module.training
             result: nn.Module = converted
         else:

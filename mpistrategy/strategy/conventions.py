@@ -22,7 +22,7 @@ import logging
 import sys
 import weakref
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from mpistrategy.comm.topology import Topology
 
@@ -53,7 +53,7 @@ def launch_mismatch(devices: Any, num_nodes: int, topology: Topology, owner: str
     )
     if t.virtual:
         layout += " (virtual nodes: ranks_per_node / MPISTRATEGY_RANKS_PER_NODE)"
-    wanted = (requested if wrong_devices else t.local_size) * (num_nodes if wrong_nodes else t.num_nodes)
+    wanted = (cast(int, requested) if wrong_devices else t.local_size) * (num_nodes if wrong_nodes else t.num_nodes)
     return (
         f"{owner}(devices={devices!r}, num_nodes={num_nodes}) does not match the MPI world: MPI launched {t.size} "
         f"rank(s), {layout}. The {strategy} strategy trains on the ranks MPI launched and ignores devices= and "
@@ -91,7 +91,7 @@ def user_stacklevel() -> int:
 def follow_launch_flags(connector: type, owner: str) -> None:
     """Wrap ``connector.__init__`` (Lightning's Trainer or Fabric connector) so that a strategy with a
     ``follow_launch(devices, num_nodes, owner)`` method gets the flags it was configured with (idempotent)."""
-    original = connector.__init__
+    original = connector.__init__  # type: ignore[misc]  # Lightning's connector class, patched below
     if getattr(original, "_mpistrategy", False):
         return
     signature = inspect.signature(original)
@@ -106,7 +106,7 @@ def follow_launch_flags(connector: type, owner: str) -> None:
             follow(bound.arguments["devices"], bound.arguments["num_nodes"], owner)
 
     init._mpistrategy = True  # type: ignore[attr-defined]
-    connector.__init__ = init  # type: ignore[method-assign]
+    connector.__init__ = init  # type: ignore[misc]
 
 
 class _DropSeedMessage(logging.Filter):

@@ -35,6 +35,7 @@ import time
 import traceback
 from collections.abc import Iterable
 from types import FrameType, TracebackType
+from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
@@ -136,16 +137,16 @@ def report_os_exit() -> None:
         return
     installer = os.getpid()
 
-    def reporting_exit(code: int) -> None:
+    def reporting_exit(status: int) -> NoReturn:
         if os.getpid() == installer and MPI.Is_initialized() and not MPI.Is_finalized():
             rank, size = _world()
             if size > 1:
                 where = "".join(traceback.format_stack()[:-1])
                 _write_stderr(
-                    f"[mpistrategy] rank {rank} of {size} (pid {installer}) exited with code {code} through "
+                    f"[mpistrategy] rank {rank} of {size} (pid {installer}) exited with code {status} through "
                     f"os._exit before the job finished; the launcher ends the other ranks. Called from:\n{where}"
                 )
-        _exit_process(code)
+        _exit_process(status)
 
     os._exit = reporting_exit
     _os_exit_reported = True

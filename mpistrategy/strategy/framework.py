@@ -31,7 +31,7 @@ def framework(name: str) -> SimpleNamespace:
     optimizer_utils = importlib.import_module(f"{fabric}.utilities.optimizer")
     checkpoint_io = importlib.import_module(f"{name}.plugins.io")
 
-    class MPISyncBatchNorm(layer_sync.LayerSync):
+    class MPISyncBatchNorm(layer_sync.LayerSync):  # type: ignore[name-defined]  # imported by name above
         """``Trainer(sync_batchnorm=True)`` for the mpi_ad strategy: :class:`mpistrategy.nn.SyncBatchNorm`."""
 
         def apply(self, model: nn.Module) -> nn.Module:

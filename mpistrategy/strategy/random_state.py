@@ -10,7 +10,7 @@ only, so ``torch.load(weights_only=True)`` accepts them.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -21,7 +21,8 @@ RandomState = dict[str, Any]
 
 def capture() -> RandomState:
     """This process's random state now."""
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())  # the MT19937 tuple
+    kind, keys, position, has_gauss, cached_gaussian = legacy
     version, internal, gauss_next = random.getstate()
     state: RandomState = {
         "torch": torch.get_rng_state(),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
@@ -60,7 +60,7 @@ class ResumableLoader:
         batch_sampler = loader.batch_sampler
         assert isinstance(batch_sampler, BatchSampler)
         if not isinstance(batch_sampler.sampler, _SkippingSampler):
-            batch_sampler.sampler = _SkippingSampler(batch_sampler.sampler)
+            batch_sampler.sampler = _SkippingSampler(cast(DistributedSampler, batch_sampler.sampler))
         self._order: _SkippingSampler = batch_sampler.sampler
         self._batch_size: int = batch_sampler.batch_size
         self._before_batch = before_batch
