@@ -34,7 +34,7 @@ import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import NoReturn, TypeVar
+from typing import NoReturn, SupportsInt, TypeVar, cast
 
 import numpy as np
 import torch
@@ -120,7 +120,7 @@ def _as_integers(local: Sequence[object]) -> list[int]:
         elif isinstance(item, (tuple, list)):
             values += [len(item), *(int(v) for v in item)]
         else:
-            values.append(int(item))
+            values.append(int(cast(SupportsInt, item)))
     return values
 
 
@@ -184,12 +184,12 @@ def checked(
     then :func:`agree` on the signature across ranks (through ``exchange`` when given) and return ``value``. A
     check that fails on any rank raises on every rank (see :func:`agree`); ``describe`` names what the signature
     holds, for the error."""
-    problem = None
     try:  # as attempt() does, without its call: this is every op's hot path
         local, value = check(*args)
     except Exception as error:
-        local, value, problem = (), None, error
-    agree(comm, what, local, describe, problem, exchange=exchange)
+        agree(comm, what, (), describe, error, exchange=exchange)  # raises on every rank
+        raise
+    agree(comm, what, local, describe, None, exchange=exchange)
     return value
 
 

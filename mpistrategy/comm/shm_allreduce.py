@@ -296,6 +296,7 @@ class _Operation:
     def result(self) -> torch.Tensor:
         """The allreduce's result, once complete: ``out`` or a new tensor, in the input's dtype and device."""
         if self.target is None:
+            assert self.out is not None, "without a result tensor of its own, the allreduce writes into out"
             return self.out
         return deliver(self.target, self.out, self.dtype, self.device, "allreduce")
 
@@ -354,7 +355,7 @@ class _Group:
                 f"shared-memory allreduce: ranks have different settings ({listing}); set {MODE_VARIABLE} and "
                 f"{MIN_BYTES_VARIABLE} (or call set_shared_memory) alike on every rank."
             )
-        return cls(shared)
+        return cls(shared)  # type: ignore[arg-type]  # mpi4py types Split_type's result as Comm
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
@@ -526,11 +527,12 @@ class _Group:
 
     def _copy_sums(self, operation: _Operation) -> None:
         """Owners: copy every chunk's sum from its owner into this rank's result."""
-        size, rank = self.size, self.rank
+        size, rank, results = self.size, self.rank, operation.results
+        assert results is not None, "resolved: owners know every rank's result chunks"
         for chunk in range(operation.chunks):
             owner = chunk % size
             if owner != rank:
-                operation.target_chunks[chunk].copy_(operation.results[owner][chunk])
+                operation.target_chunks[chunk].copy_(results[owner][chunk])
             elif not (operation.skip_own or operation.sums_to_target):
                 operation.target_chunks[chunk].copy_(operation.result_chunks[chunk])
 
@@ -566,11 +568,12 @@ class _Group:
         self._before = (tuple(self.regions), self.head)
         staging_offset, staging_busy_until = self._reserve(seq, nbytes)
         staging = self.staging
+        assert staging is not None, "_reserve allocates the staging segment"
         staged_at = (staging.id, staging_offset)
         where = self._locate(tensor) if tensor.is_cpu else None
         in_window = where is not None and self._covered_by(where[0])
         in_place = out is tensor or (out is not None and same_memory(out, tensor))
-        if in_window:
+        if where is not None and in_window:
             segment, offset = where
             source_at = (segment.id, offset)
             operation.source_chunks = segment.chunks(segment.rank, offset, numel, dtype, step)
@@ -621,8 +624,8 @@ class _Group:
         """:func:`~mpistrategy.comm.shm_window.locate`, remembered by address and size while the segment found
         is still allocated (operations repeat on the same buffers)."""
         key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
-        where = self._located.get(key, False)
-        if where is False or (where is not None and find(where[0].id) is not where[0]):
+        where = self._located.get(key)
+        if key not in self._located or (where is not None and find(where[0].id) is not where[0]):
             if len(self._located) >= _REMEMBERED_PLACES:
                 self._located.clear()
             where = self._located[key] = locate(tensor) if tensor.is_contiguous() else None
@@ -753,6 +756,7 @@ class _Group:
         if operation.sums_to_target:
             return destination[chunk], operation.target_chunks[chunk]
         if operation.push:
+            assert operation.results is not None, "a pushing operation is resolved"
             others = (results[chunk] for peer, results in enumerate(operation.results) if peer != self.rank)
             return destination[chunk], *others
         return (destination[chunk],)
@@ -782,6 +786,7 @@ class _Group:
                     if operation.results is None:
                         self._resolve(operation)
                     if not operation.push:  # else the owner wrote the sum here
+                        assert operation.results is not None, "resolved just above"
                         operation.target_chunks[chunk].copy_(operation.results[owner][chunk])
                 operation.gathered = chunk + 1
                 progressed = True
@@ -817,7 +822,7 @@ class _Group:
                 rank, operation.seq
             )
             synchronous = manner & _SYNCHRONOUS
-            push = push and manner & _SUMMED_WHERE_IT_IS
+            push = push and bool(manner & _SUMMED_WHERE_IT_IS)
             if (seq, count, code) != (operation.seq, numel, DTYPE_CODES.index(dtype)):
                 raise CommunicationError(
                     f"shared-memory allreduce: rank {rank} of the node is at operation {seq} with {count} elements "
@@ -856,7 +861,7 @@ class _Group:
     ) -> tuple[torch.Tensor, ...]:
         segment = find(segment_id)
         index = segment.index_of(self.participants[rank]) if segment is not None else None
-        if index is None:
+        if segment is None or index is None:
             raise CommunicationError(
                 f"shared-memory allreduce: rank {rank} of the node names shared segment {segment_id}, which this "
                 "rank does not share."
@@ -867,6 +872,7 @@ class _Group:
         """Sum chunk ``chunk`` of every rank's input in rank order into every tensor of ``outputs`` (the first may
         be this rank's own input): compiled for float32 and float64 (:mod:`~mpistrategy.comm.rank_sum`), else
         with torch, float16 and bfloat16 in float32."""
+        assert operation.inputs is not None, "summed only once resolved"
         parts = [chunks[chunk] for chunks in operation.inputs]
         scale = 1.0 / self.size if operation.average else 1.0
         if rank_sum.available(operation.dtype):

@@ -72,6 +72,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -214,7 +215,7 @@ class GradientReducer:
         self._armed = False
         self.started_in_backward = 0
         self.started_at_wait = 0
-        self._patched: list[tuple[object, bool]] = []
+        self._patched: list[tuple[Any, bool]] = []
         self._zero_plans: dict[tuple[int, int], _ZeroPlan] = {}
         self._segment: Segment | None = None  # the shared memory of the host buckets
         self._copied: set[int] = set()  # ids of large parameters whose gradient their hook copies into a bucket
@@ -256,8 +257,10 @@ class GradientReducer:
             first = group[0][1]
             params = [p for _, p in group]
             own = len(group) == 1 and owns_bucket(first, own_bucket_mb) and id(first) not in self._copied
-            if places[index] is not None:
-                buffer = self._segment.typed(self._segment.rank, places[index], sum(numels), first.dtype).zero_()
+            place = places[index]
+            if place is not None:
+                assert self._segment is not None, "a shared place lies in the shared segment"
+                buffer = self._segment.typed(self._segment.rank, place, sum(numels), first.dtype).zero_()
             elif own:  # no buffer of its own: it adopts the gradient autograd stores (a zero stand-in until then)
                 buffer = torch.zeros((), dtype=first.dtype, device=first.device).expand(numels[0])
             else:
@@ -381,10 +384,12 @@ class GradientReducer:
     def _start_ready(self) -> None:
         """Start, in order, every bucket from the next one on that is ready (or has nothing to send)."""
         count = len(self.buckets)
+        aggregator = self.aggregator
+        assert aggregator is not None, "buckets start only after setup"
         with validation(False):  # the layout was agreed on once, when it was built
             while self._next < count and self._pending[self._next] <= 0:
                 if self._active_count[self._next]:
-                    self._works[self._next] = self.aggregator.start(self.buckets[self._next])
+                    self._works[self._next] = aggregator.start(self.buckets[self._next])
                     self.started_in_backward += 1
                 self._next += 1
         if self._next == count:
@@ -407,6 +412,7 @@ class GradientReducer:
         """Post the bitwise-or allreduce of which parameters have a gradient on this rank (into ``_used``)."""
         self._finish_usage()
         np.copyto(self._sent, self._local)
+        assert self._usage_exchange is not None, "set up with the buckets"
         self._usage_exchange.post(self._sent, self._used)
         self._usage = self._usage_exchange
         self._posted = True
@@ -442,6 +448,8 @@ class GradientReducer:
         self._armed = False
         if not count:
             return
+        aggregator = self.aggregator
+        assert aggregator is not None, "buckets exist only after setup"
         with validation(False):  # the layout was agreed on once, when it was built
             used = self._sent  # on a rank that used every parameter, every rank's answer is known: no need to wait
             if not self._posted:  # buckets are left: this rank did not use some parameters
@@ -457,12 +465,12 @@ class GradientReducer:
                         if not used[self._slots[index]].any():
                             continue  # no rank has a gradient for it: every rank skips it
                         self._adopt_gradients(index)
-                    self._works[index] = self.aggregator.start(self.buckets[index])
+                    self._works[index] = aggregator.start(self.buckets[index])
                     self.started_at_wait += 1
                 self._next = count
             for index, work in enumerate(self._works):
                 if work is not None:
-                    self.aggregator.finish(self.buckets[index], work)
+                    aggregator.finish(self.buckets[index], work)
         self._works = [None] * count
         self._drop_missing_gradients(used)
         self._local.fill(0)  # every gradient is combined now, or absent
@@ -512,7 +520,7 @@ class GradientReducer:
 
     # ------------------------------------------------------------------------------------------- zero_grad
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: object) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: Any) -> None:
         """Make ``optimizer.zero_grad()`` zero the flat buckets in place instead of setting the gradients to
         ``None``.
 
@@ -532,7 +540,7 @@ class GradientReducer:
 
         for target in (optimizer, *aliases):
             had_attribute = "zero_grad" in vars(target)
-            target.zero_grad = zero_grad  # type: ignore[method-assign]
+            target.zero_grad = zero_grad
             self._patched.append((target, had_attribute))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, original, set_to_none: bool = True) -> None:

@@ -141,7 +141,7 @@ def _wrap_connector(connector: type, base: type, environment: type, owner: str) 
     conventions.follow_launch_flags(connector, owner)
 
 
-def _prefer_mpi_environment(connector: type, base: type, environment: type) -> None:
+def _prefer_mpi_environment(connector: Any, base: type, environment: type) -> None:
     """For our strategy names, choose the MPI environment instead of probing launchers (SLURM would raise)."""
     original = connector._choose_and_init_cluster_environment
     if getattr(original, "_mpistrategy", False):
@@ -196,7 +196,7 @@ def _set_rank_zero_only() -> None:
         from lightning_utilities.core.rank_zero import rank_zero_only
     except ImportError:
         return
-    rank_zero_only.rank = MPI.COMM_WORLD.Get_rank()
+    rank_zero_only.rank = MPI.COMM_WORLD.Get_rank()  # type: ignore[attr-defined]  # set at run time
 
 
 def _initialising(module: ModuleType) -> bool:
