@@ -68,8 +68,8 @@ LEARNING_RATE = 0.02
 MOMENTUM = 0.9
 REFERENCE = "flat"
 ACCURACY_MARGIN = 1.0  # points below flat's final accuracy that count as reaching it
-SPEEDUP_TARGET = 2.0  # issue 14: DASO and hierarchical local SGD per step against flat mpi_ad
-VS_DDP_TARGET = 0.8  # issue 14: flat mpi_ad's step time against Lightning DDP's
+SPEEDUP_TARGET = 2.0  # DASO and hierarchical local SGD per step against flat mpi_ad
+VS_DDP_TARGET = 0.8  # flat mpi_ad's step time against Lightning DDP's
 #: name -> (sync mode name, its options); "ddp" is Lightning's DDP over gloo
 SYNC_CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "flat": ("flat", {}),
@@ -276,7 +276,7 @@ def _median_time_to(curves: list[list[dict[str, float]]], goal: float) -> float 
 
 
 def _targets(rows: dict[str, Any]) -> dict[str, Any]:
-    """Issue 14's targets, measured: speed-ups over flat, flat against DDP, DASO's time to flat's accuracy."""
+    """The benchmark's targets, measured: speed-ups over flat, flat against DDP, DASO's time to flat's accuracy."""
     found: dict[str, Any] = {}
     if "flat" in rows:
         for mode in ("daso", "hierarchical_local_sgd"):

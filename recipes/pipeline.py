@@ -6,8 +6,9 @@ layers_per_stage`` Linear layers with ReLU between them. Stage ``r`` (rank ``r``
 
 One training step (GPipe schedule, all forwards then one backward):
 
-- the batch is cut into ``micro_batches`` pieces; stage 0 runs each through its layers and ``send``s the activation
-  to stage 1, which ``recv``s it (the received tensor requires grad), runs its layers and sends on, and so on;
+- the batch is cut into ``micro_batches`` pieces; stage 0 runs each through its layers and sends the activation
+  to stage 1 (``send``), which receives it (``recv``; the received tensor requires grad), runs its layers and sends
+  on, and so on;
 - the last stage computes the loss of each micro-batch, weighted by its share of the batch, and sums them;
 - backward: the last stage's ``loss.backward()`` sends each activation gradient back (``recv``'s adjoint);
   the other stages run backward through the :class:`~mpistrategy.Placeholder` their ``send`` returned

@@ -8,7 +8,7 @@ outside the GIL inside MPI) until they complete or :meth:`Progress.stop` is call
 125 KB, which the socket buffers hold, so the link stays busy.
 
 It needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default); with a lower thread level :func:`drive` returns ``None`` and
-the requests progress as before. The caller must call :meth:`Progress.stop` before it tests or waits for the
+the requests progress only inside MPI calls. The caller must call :meth:`Progress.stop` before it tests or waits for the
 requests itself (two threads must not complete the same request). Threads still running when the interpreter
 exits are stopped before MPI is finalised.
 """

@@ -76,7 +76,7 @@ MODE_VARIABLE = "MPISTRATEGY_SHM"
 MIN_BYTES_VARIABLE = "MPISTRATEGY_SHM_MIN_BYTES"
 MODES = ("auto", "on", "off")
 #: the smallest message that goes through shared memory in "auto" mode, by (2 ranks?, tensor already in shared
-#: memory?): where it beat MPI's allreduce on the quiet development machine (benchmarks/collectives.py, README).
+#: memory?): where it beat MPI's allreduce in benchmarks/collectives.py on a 2-core x86_64 VM (docs/shared_memory.md).
 #: A tensor that must be copied in first gains later than one that lives in a shared segment (the strategy's
 #: gradient buckets); with more ranks than two, MPI's busy-polling ranks lose earlier.
 DEFAULT_MIN_BYTES = {(True, False): 8 << 20, (True, True): 1 << 20, (False, False): 2 << 20, (False, True): 1 << 20}

@@ -3,7 +3,7 @@
 Sealing. ``torch.save`` writes a zip archive. The zip format lets the archive's end record carry a comment; the
 writer puts ``mpistrategy-sha256:<64 hex digits>`` there, the SHA-256 of every byte of the file before the comment
 (the end record included, with its comment length). The file stays a normal torch and Lightning checkpoint:
-``torch.load`` reads it as before, ``unzip -z file.ckpt`` prints the digest. A file that is not a zip archive
+``torch.load`` reads it as any other, ``unzip -z file.ckpt`` prints the digest. A file that is not a zip archive
 (another ``CheckpointIO``'s format) is written atomically but not sealed.
 
 Atomic writing. The checkpoint goes to a temporary file in the same folder (a new file with an unguessable name,

@@ -19,8 +19,8 @@ where backward wrote it and reduces it in place, with no copy. Where buckets are
 the node, for the sync modes that sum there, :attr:`~mpistrategy.sync.base.SyncMode.sums_in_node`; over the world,
 for the mean when every rank is on this machine), large gradients move into the segment too: their hook copies
 autograd's fresh gradient into their bucket once (the copy the allreduce would otherwise make into its staging
-area), and they follow the optimizer's ``zero_grad`` as before. With every rank on this machine and the mean they
-also join the regular buckets (fewer buckets, fewer waits for the other ranks); otherwise the layout stays, as
+area), and the optimizer's ``zero_grad`` treats them as any other gradient. With every rank on this machine and the
+mean they also join the regular buckets (fewer buckets, fewer waits for the other ranks); otherwise the layout stays, as
 compressors, which work per bucket, need. The segment is freed when the buckets are rebuilt and by
 :meth:`GradientReducer.remove`, after the gradients in it are copied out.
 

@@ -3,14 +3,18 @@
 :class:`SyncMode` is the interface (see :mod:`mpistrategy.sync.base` for the hooks and their rules); one module
 per mode:
 
-| mode | gradients every step | models |
-| --- | --- | --- |
-| ``flat`` (default) | all ranks | never (they stay equal) |
-| ``hierarchical`` | all ranks, through node sums and node leaders | never |
-| ``local_sgd`` | none (after ``warmup_steps`` over all ranks) | averaged over all ranks every ``period`` steps |
-| ``hierarchical_local_sgd`` | the node | averaged across nodes every ``period`` steps |
-| ``daso`` | the node | averaged across nodes every ``global_skip`` steps, non-blocking, stale merge |
-| ``gossip`` | none | mixed with graph neighbours every ``period`` steps |
+========================== ============================================= =============================================
+mode                       gradients every step                          models
+========================== ============================================= =============================================
+``flat`` (default)         all ranks                                     never (they stay equal)
+``hierarchical``           all ranks, through node sums and node leaders never
+``local_sgd``              none (after ``warmup_steps`` over all ranks)  averaged over all ranks every ``period`` steps
+``hierarchical_local_sgd`` the node                                      averaged across nodes every ``period`` steps
+``daso``                   the node                                      averaged across nodes every ``global_skip``
+                                                                         steps, non-blocking, stale merge
+``gossip``                 none                                          mixed with graph neighbours every ``period``
+                                                                         steps
+========================== ============================================= =============================================
 
 Nothing here depends on Lightning: the Trainer strategy and Fabric drive the same hooks.
 """

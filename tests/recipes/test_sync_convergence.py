@@ -1,4 +1,4 @@
-"""Issue 13's convergence check: every sync mode trains the digits recipe on 4 ranks as 2 nodes of 2 to within its
+"""The sync modes' convergence check: every sync mode trains the digits recipe on 4 ranks as 2 nodes of 2 to within its
 tolerance of flat averaging's final validation accuracy (hierarchical, hierarchical_local_sgd with period 4 and
 DASO: 1 point; local_sgd with period 8 and gossip on a ring: 2 points), with the inter-node bytes they should send.
 
