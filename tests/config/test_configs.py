@@ -31,6 +31,16 @@ def _compose(overrides: list[str], tmp_path: Path | None = None, hydra: bool = F
         return compose("config", overrides=[*overrides, *extra], return_hydra_config=hydra)
 
 
+def _assert_holds(composed: object, written: object, where: str) -> None:
+    """Assert that every value written in an option file (interpolations aside) is in the composed config."""
+    if isinstance(written, dict):
+        assert isinstance(composed, dict), where
+        for key, value in written.items():
+            _assert_holds(composed[key], value, f"{where}.{key}")
+    elif not (isinstance(written, str) and "${" in written):
+        assert composed == written, where
+
+
 def test_the_presets_are_all_found() -> None:
     assert {"digits_mlp", "digits_cnn", "synthetic_mlp", "tp_mlp", "pipeline_mlp", "debug"} <= set(EXPERIMENTS)
 
@@ -72,10 +82,17 @@ def test_every_experiment_composes_and_instantiates(experiment: str, tmp_path: P
     ],
 )
 def test_every_group_option_composes(group: str, option: str, tmp_path: Path) -> None:
-    cfg = _compose([f"{group}={option}"], tmp_path)
+    cfg = _compose([f"{group}={option}"], tmp_path, hydra=True)
+    assert cfg.hydra.runtime.choices[group] == option
+    OmegaConf.set_struct(cfg, False)
+    cfg.pop("hydra")
     OmegaConf.resolve(cfg)
+    own = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / group / f"{option}.yaml"))
+    assert isinstance(own, dict)
+    own.pop("defaults", None)
+    _assert_holds(OmegaConf.to_container(cfg[group]), own, f"{group}={option}")
     if group in ("model", "optimizer", "data", "scheduler"):
-        instantiate(cfg[group])
+        assert instantiate(cfg[group]) is not None
 
 
 def test_the_default_job_is_the_digits_mlp_on_mpi_ad(tmp_path: Path) -> None:
