@@ -35,3 +35,11 @@ def run_mpi_job(script: Path, ranks: int, *args: str, timeout: float, **env: str
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"the job hung (killed after {timeout} s):\n{str(expired.output)[-4000:]}")
     return result.returncode, result.stdout + result.stderr, time.time()
+
+
+def marked_line(script: Path, marker: str) -> str:
+    """``<script name>:<line>`` of the line of ``script`` that ends with ``# marker: <marker>``."""
+    for number, text in enumerate(script.read_text().splitlines(), start=1):
+        if text.endswith(f"# marker: {marker}"):
+            return f"{script.name}:{number}"
+    raise AssertionError(f"no line of {script} ends with '# marker: {marker}'")

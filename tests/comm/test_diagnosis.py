@@ -12,7 +12,7 @@ import pytest
 
 from mpistrategy.comm.flight import main as flight_main
 from mpistrategy.comm.watchdog import STALL_EXIT_CODE, set_stall_timeout, stall_timeout
-from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
+from tests.external_job import OUTER_RUN_ONLY, marked_line, run_mpi_job
 
 pytestmark = OUTER_RUN_ONLY
 
@@ -21,11 +21,7 @@ STALL_TIMEOUT = 3
 
 
 def line_of(marker: str) -> str:
-    """``desync.py:<line>`` of the line that carries ``# marker: <marker>``."""
-    for number, text in enumerate(SCRIPT.read_text().splitlines(), start=1):
-        if text.endswith(f"# marker: {marker}"):
-            return f"desync.py:{number}"
-    raise AssertionError(marker)
+    return marked_line(SCRIPT, marker)
 
 
 def caught(output: str, case: str, rank: int) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mpistrategy.comm.watchdog import STALL_EXIT_CODE
-from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
+from tests.external_job import OUTER_RUN_ONLY, marked_line, run_mpi_job
 
 pytestmark = OUTER_RUN_ONLY
 
@@ -20,10 +20,7 @@ STALL_TIMEOUT = 3
 
 
 def line_of(marker: str) -> str:
-    for number, text in enumerate(SCRIPT.read_text().splitlines(), start=1):
-        if text.endswith(f"# marker: {marker}"):
-            return f"desync_training.py:{number}"
-    raise AssertionError(marker)
+    return marked_line(SCRIPT, marker)
 
 
 def run(framework: str, case: str, sync: str, ranks: int, tmp_path: Path) -> tuple[int, str]:
