@@ -55,9 +55,10 @@ class MPIStrategyBase:
             default: every step over all ranks; see :mod:`mpistrategy.sync`).
         ranks_per_node: make groups of this many ranks act as nodes (default: nodes from MPI, or
             ``MPISTRATEGY_RANKS_PER_NODE``): one machine can then act as several nodes.
-        node_transport: how node-local gradient averaging travels: ``"mpi"`` (the node's shared-memory
-            communicator, default), ``"gloo"`` or ``"nccl"`` (a torch.distributed group per node, its rendezvous
-            done over MPI).
+        node_transport: how node-local gradient averaging travels: ``"auto"`` (default: NCCL for a model on CUDA
+            when every rank of the node has a GPU of its own, else MPI), ``"mpi"`` (the node's shared-memory
+            communicator), ``"gloo"`` or ``"nccl"`` (a torch.distributed group per node, its rendezvous done over
+            MPI). The step across nodes always goes over MPI.
         bucket_cap_mb: gradient bucket size cap in MB (DDP's default 25).
         first_bucket_cap_mb: cap of the first bucket, which is started first (default: ``bucket_cap_mb``). DDP
             uses 1 MB so that communication starts early; with MPI, whose non-blocking collectives progress only
@@ -107,7 +108,7 @@ class MPIStrategyBase:
         aggregator: Aggregator | None = None,
         sync: SyncMode | str | None = None,
         ranks_per_node: int | None = None,
-        node_transport: str = "mpi",
+        node_transport: str = "auto",
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         own_bucket_mb: float = 1.0,

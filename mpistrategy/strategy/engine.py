@@ -45,7 +45,7 @@ class DataParallelEngine:
         topology: ranks, nodes and communicators.
         bucket_cap_mb, first_bucket_cap_mb, own_bucket_mb: the bucket layout (see
             :class:`~mpistrategy.strategy.reducer.GradientReducer`).
-        node_transport: ``"mpi"``, ``"gloo"`` or ``"nccl"`` for node-local gradient averaging.
+        node_transport: ``"auto"``, ``"mpi"``, ``"gloo"`` or ``"nccl"`` for node-local gradient averaging.
         traffic: where the bytes sent are counted (a new counter by default).
     """
 
@@ -57,7 +57,7 @@ class DataParallelEngine:
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         own_bucket_mb: float = 1.0,
-        node_transport: str = "mpi",
+        node_transport: str = "auto",
         traffic: TrafficCounter | None = None,
     ) -> None:
         self.sync = sync
