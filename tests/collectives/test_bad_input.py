@@ -15,7 +15,7 @@ import torch
 
 import mpistrategy as ms
 from mpistrategy import CommunicationError
-from mpistrategy.collectives import p2p
+from mpistrategy.collectives import _p2p_wire, p2p
 from tests.collectives.bad_inputs import CASES, STARTED, UNCAUGHT, culprit, left, rank, right, size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def assert_in_step() -> None:
     received = ms.sendrecv(torch.full((2,), float(rank())), right(rank()), left(rank()), tag=3)
     assert torch.equal(received, torch.full((2,), float(left(rank()))))
     p2p.wait_backward_sends()
-    assert not p2p._arriving and not p2p._detached_sends
+    assert not _p2p_wire.arriving and not _p2p_wire.detached_sends
 
 
 @pytest.mark.mpi(ranks=(2, 3))

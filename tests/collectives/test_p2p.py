@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import mpistrategy as ms
 from mpistrategy import CommunicationError, Placeholder
-from mpistrategy.collectives import p2p
+from mpistrategy.collectives import _p2p_wire, p2p
 from mpistrategy.comm.buffers import DTYPE_CODES
 from tests.adjoint import assert_adjoint, random_like_rank, rank, rank_generator, size
 
@@ -40,9 +40,9 @@ def _no_leftovers():
     """Every test leaves no queued receive and no gradient send in flight."""
     yield
     p2p.wait_backward_sends()
-    assert not p2p._arriving, "a receive is still queued"
-    assert not p2p._self_sent, "a message to the own rank is counted as not received"
-    assert not p2p._detached_sends
+    assert not _p2p_wire.arriving, "a receive is still queued"
+    assert not _p2p_wire.self_sent, "a message to the own rank is counted as not received"
+    assert not _p2p_wire.detached_sends
     COMM.Barrier()
 
 
@@ -379,14 +379,14 @@ def test_errors_raise_on_every_rank_and_failed_sends_tell_their_receivers():
     for error, pattern, call in unaddressed_calls(x):
         with pytest.raises(error, match=pattern):
             call()
-    assert not p2p._arriving
+    assert not _p2p_wire.arriving
     for error, pattern, call in failed_sends(x):
         with pytest.raises(error, match=pattern) as caught:
             call()
         assert f"rank {right()}, its peer, raises too" in "".join(getattr(caught.value, "__notes__", []))
         with pytest.raises(CommunicationError, match=rf"recv: rank {left()} failed the checks .*{pattern}"):
             ms.recv(left())
-    assert not p2p._arriving
+    assert not _p2p_wire.arriving
 
 
 @pytest.mark.parametrize("culprit", [0, -1])

@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import mpistrategy as ms
-from mpistrategy.collectives import p2p
+from mpistrategy.collectives import _p2p_wire, p2p
 
 pytestmark = pytest.mark.mpi(ranks=(2, 3, 4))
 
@@ -117,5 +117,5 @@ def test_pipeline_matches_unsplit_model(schedule_name):
             torch.testing.assert_close(parameter, reference_parameter, **TOLERANCE)
 
     p2p.wait_backward_sends()
-    assert not p2p._arriving
+    assert not _p2p_wire.arriving
     COMM.Barrier()
