@@ -291,9 +291,3 @@ def _carries_state(engine_state: dict[str, Any]) -> bool:
     return bool(
         engine_state.get("sync", {}).get("state") or engine_state.get("aggregator") or "replicas" in engine_state
     )
-
-
-# Last statement: registrations that Lightning's import triggered while this module was half-imported.
-from mpistrategy.strategy import registration as _registration  # noqa: E402
-
-_registration.flush_deferred(__name__)

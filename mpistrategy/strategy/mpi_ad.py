@@ -373,9 +373,3 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
 class MPIADStrategy(MPIADStrategyMixin, ParallelStrategy):
     """Data-parallel training over MPI for ``lightning.pytorch`` (see :class:`MPIADStrategyMixin` for options)."""
-
-
-# Last statement: registrations that Lightning's import triggered while this module was half-imported.
-from mpistrategy.strategy import registration as _registration  # noqa: E402
-
-_registration.flush_deferred(__name__)
