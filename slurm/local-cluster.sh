@@ -4,6 +4,7 @@
 #
 # Usage (as root):
 #   slurm/local-cluster.sh [start]   install (if missing), configure, start, wait until idle
+#   slurm/local-cluster.sh install   only install slurm-wlm and munge (if missing)
 #   slurm/local-cluster.sh stop      stop slurmd, slurmctld and munged
 #   slurm/local-cluster.sh restart   stop, then start
 #   slurm/local-cluster.sh status    show daemons, sinfo and squeue; exit 0 only if ready
@@ -366,6 +367,12 @@ restart)
     cmd_start
     ;;
 status) cmd_status ;;
+install)
+    need_root
+    take_lock
+    mkdir -p "$LOG_DIR"
+    install_packages
+    ;;
 purge)
     # Cancel every job first so that no slurmstepd outlives the cluster.
     if command -v squeue >/dev/null 2>&1 && squeue >/dev/null 2>&1; then
@@ -383,6 +390,6 @@ purge)
     log "removing ${SLURM_LOCAL_DIR}"
     rm -rf -- "$SLURM_LOCAL_DIR"
     ;;
--h | --help | help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//' ;;
-*) die "unknown command '$1' (use start, stop, restart, status, purge)" ;;
+-h | --help | help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' ;;
+*) die "unknown command '$1' (use start, stop, restart, status, install, purge)" ;;
 esac
