@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,12 @@ __all__ = ["ClusterUnavailableError", "SlurmCluster", "SlurmStartError", "missin
 DAEMONS = ("munged", "munge", "unmunge", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "scontrol", "nsenter")
 CPUS_PER_NODE = 4
 READY_SECONDS = 60.0
+# Job ids start at a random number in [FIRST_JOB_ID, FIRST_JOB_ID + JOB_ID_SPREAD), below SLURM's MaxJobId: MPICH
+# names a job step's shared memory (/dev/shm/mpich_shm_<id>_<node>) after its id, and a step that ends without
+# MPI_Finalize (an abort, a stall exit) leaves it there; a later step of the same id, on another cluster of this
+# machine (a new cluster counts from 1 again), would map that stale segment and fail in MPI_Init.
+FIRST_JOB_ID = 1_000_000
+JOB_ID_SPREAD = 60_000_000
 STOP_SECONDS = 10.0
 # Runs a command in a node: its network namespace, a UTS namespace with the node's host name and a mount namespace
 # with the node's hosts file. Not `ip netns exec`, which remounts /sys: slurmd then finds no cgroup file system.
@@ -158,6 +165,7 @@ class SlurmCluster:
         directory, nodes = self.directory, self.network.nodes
         lines = [
             "ClusterName=mpistrategy-nodes",
+            f"FirstJobId={FIRST_JOB_ID + secrets.randbelow(JOB_ID_SPREAD)}",
             f"SlurmctldHost={nodes[0].hostname}({nodes[0].address})",
             "SlurmUser=root",
             "SlurmdUser=root",
