@@ -19,7 +19,7 @@ tensors only, which torch never lets require grad: their results carry no gradie
 summed (and multiplied) in float32 and rounded once; bool supports max (logical or) and min (logical and) and the
 logical and bitwise ops. The forward and backward messages travel on distinct duplicates of the communicator. Sum
 and avg over ranks that share a node go through shared memory instead of MPI from a size threshold on (see
-:mod:`mpistrategy.comm.shm_allreduce`); the ranks agree on that choice in the argument check, which itself goes
+:mod:`mpistrategy.comm.shm`); the ranks agree on that choice in the argument check, which itself goes
 through the shared-memory flags once a communicator's ranks have them.
 """
 
@@ -58,7 +58,7 @@ from mpistrategy.comm.calls import CODE_NAMES
 from mpistrategy.comm.checks import check_dim, check_rank, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.pool import receive_pool
-from mpistrategy.comm.shm_allreduce import SharedWork, agreement, group_for, wanted
+from mpistrategy.comm.shm import SharedWork, check_exchange, group_for, uses_shared_memory
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 CODE_NAMES["op"] = dict(enumerate(REDUCE_OPS))  # error messages and the call log show op=sum, not op=0
@@ -175,7 +175,7 @@ def _allreduce_arguments(
     dtype, shape = tensor.dtype, tensor.shape
     if out is not None:
         check_out(out, recorded, what, None if out is tensor else shape, dtype)
-    shared = wanted(tensor, op, size)
+    shared = uses_shared_memory(tensor, op, size)
     return (dtype, shape, _OP_CODES[op], recorded, shared), recorded  # signature(...), built inline
 
 
@@ -215,7 +215,7 @@ def allreduce(
         out,
         None,
         comm.size,
-        exchange=agreement(comm.forward, tensor, op),
+        exchange=check_exchange(comm.forward, tensor, op),
     )
     if not recorded:
         return _allreduce(tensor, op, comm.forward, comm.size, out)
@@ -250,7 +250,7 @@ def iallreduce(
         out,
         refusal,
         comm.size,
-        exchange=agreement(comm.forward, tensor, op),
+        exchange=check_exchange(comm.forward, tensor, op),
     )
     if op == "prod" and recorded:
         product = _NonBlockingProduct(comm)
