@@ -117,7 +117,7 @@ class SharedMemoryGroup:
             self._compare_deferred_check()
             round_ = self._post_check(extremes)
             self.protocol.wait_until(lambda: self.flags.all_reached(CHECKED, round_))
-            posted = self.flags.offers(round_)
+            posted = self.flags.posted_values(round_)
             extremes[0] = max(first for first, _ in posted)
             extremes[1] = max(second for _, second in posted)
             if extremes[0] != -extremes[1]:
@@ -137,7 +137,7 @@ class SharedMemoryGroup:
     def _post_check(self, extremes: np.ndarray) -> int:
         """Post this rank's two check values in the next round; the round."""
         self._check_rounds += 1
-        self.flags.offer(self._check_rounds, int(extremes[0]), int(extremes[1]))
+        self.flags.post_values(self._check_rounds, int(extremes[0]), int(extremes[1]))
         return self._check_rounds
 
     def _compare_deferred_check(self) -> None:
@@ -148,7 +148,7 @@ class SharedMemoryGroup:
         round_, disagreement = self._deferred
         self.protocol.wait_until(lambda: self.flags.all_reached(CHECKED, round_))
         self._deferred = None
-        if len(set(self.flags.offers(round_))) > 1:
+        if len(set(self.flags.posted_values(round_))) > 1:
             raise _ChecksDiffer(disagreement)
         for operation in self.protocol.flight:
             if operation.phase is Phase.CHECKING:

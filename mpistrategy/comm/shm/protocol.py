@@ -154,9 +154,8 @@ class CounterProtocol:
             self.publish_and_wait_for_all(REDUCED, base + plan.chunks)  # every rank's sums written, inputs read
         else:
             flags.store(REDUCED, base + plan.chunks)
-        if plan.results is Results.WRITE_BACK:
-            for chunk in plan.summed_here:
-                self._write_back_step(operation, chunk)
+        if plan.results is Results.WRITE_BACK:  # one chunk: every rank sums at most EVERYONE_SUMS_BYTES
+            self._write_back_step(operation, 0)
         elif plan.summing is Summing.OWNERS:
             for chunk in range(plan.chunks):
                 self._collect_step(operation, chunk)
