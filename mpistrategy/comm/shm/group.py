@@ -28,7 +28,7 @@ from mpistrategy.comm.buffers import DTYPE_CODES, receive_buffer, same_memory
 from mpistrategy.comm.shm.operation import Operation, Phase
 from mpistrategy.comm.shm.placement import Places, split
 from mpistrategy.comm.shm.plan import Results, Source, plan_allreduce
-from mpistrategy.comm.shm.protocol import CounterProtocol, Descriptor
+from mpistrategy.comm.shm.protocol import CounterProtocol, publish_descriptor
 from mpistrategy.comm.shm.settings import require_alike
 from mpistrategy.comm.shm.staging import Staging
 from mpistrategy.comm.shm_flags import ARRIVED, CHECKED, DONE, RING, Flags
@@ -221,10 +221,10 @@ class SharedMemoryGroup:
         step for every rank's whole message, a non-blocking one chunk by chunk)."""
         numel, dtype, device = tensor.numel(), tensor.dtype, tensor.device
         scale = 1.0 / self.size if op == "avg" else 1.0
-        target = receive_buffer(out, tuple(tensor.shape), dtype, device)
         if not numel:  # nothing to exchange: every rank knows (the shapes agree)
             empty = plan_allreduce(0, dtype.itemsize, self.size, self.rank, Source.HOST, False, True)
-            return Operation(empty, blocking, scale, dtype, device, out, target, phase=Phase.COMPLETE)
+            result = receive_buffer(out, tuple(tensor.shape), dtype, device)
+            return Operation(empty, blocking, scale, dtype, device, out, result, phase=Phase.COMPLETE)
         self.seq += 1
         seq = self.seq
         if seq > RING and not self._done_everywhere(seq - RING):  # its descriptor slot's last user
@@ -232,6 +232,11 @@ class SharedMemoryGroup:
         window = self.places.window_of(tensor)
         source = Source.WINDOW if window is not None else Source.HOST if tensor.is_cpu else Source.DEVICE
         in_place = out is tensor or (out is not None and same_memory(out, tensor))
+        # the result tensor: out itself when reduced in place in a window, else where the sums can go
+        if out is not None and in_place and window is not None:
+            target = out
+        else:
+            target = receive_buffer(out, tuple(tensor.shape), dtype, device)
         plan = plan_allreduce(numel, dtype.itemsize, self.size, self.rank, source, in_place, target.is_cpu)
         operation = Operation(plan, blocking, scale, dtype, device, out, target, seq, self.chunk_count)
         operation.next_sum = plan.summed_here.start
@@ -241,10 +246,8 @@ class SharedMemoryGroup:
         busy = staging_busy_until and not self._done_everywhere(staging_busy_until)
         if busy and (plan.copies_in or plan.sums_in_staging):
             self.protocol.wait_until(lambda: self._done_everywhere(staging_busy_until))
-        in_place_sums = plan.results is Results.OVER_INPUT
-        Descriptor(seq, numel, DTYPE_CODES.index(dtype), *input_at, *result_at, blocking, in_place_sums).publish(
-            self.flags
-        )
+        code, in_place_sums = DTYPE_CODES.index(dtype), plan.results is Results.OVER_INPUT
+        publish_descriptor(self.flags, seq, numel, code, input_at, result_at, blocking, in_place_sums)
         return operation
 
     def _lay_out(
@@ -253,12 +256,13 @@ class SharedMemoryGroup:
         """Set where ``operation``'s chunks are on this rank; where the others find its input and its sums
         (segment id and byte offset; ``(-1, 0)``: sums that nobody else reads)."""
         plan, views, dtype = operation.plan, operation.views, operation.dtype
+        staged_at = self.staging.place(staging_offset)
         if window is not None:
             segment, offset = window
             input_at = (segment.id, offset)
             views.source = segment.chunks(segment.rank, offset, plan.numel, dtype, plan.step)
         else:
-            input_at = self.staging.place(staging_offset)
+            input_at = staged_at
             views.source = self.staging.chunks(staging_offset, plan.numel, dtype, plan.step)
         views.own = views.source
         result_at = (-1, 0)
@@ -270,8 +274,10 @@ class SharedMemoryGroup:
         if plan.results is Results.OVER_INPUT:
             views.result, result_at = views.source, input_at
         elif plan.sums_in_staging:  # over this rank's staged input, or beside a window input that must stay
-            views.result = self.staging.chunks(staging_offset, plan.numel, dtype, plan.step)
-            result_at = self.staging.place(staging_offset)
+            staged = (
+                views.source if window is None else self.staging.chunks(staging_offset, plan.numel, dtype, plan.step)
+            )
+            views.result, result_at = staged, staged_at
         return input_at, result_at
 
     def _publish_input(self, operation: Operation, tensor: torch.Tensor) -> None:
@@ -287,13 +293,12 @@ class SharedMemoryGroup:
         flat = split(tensor.detach().reshape(-1), plan.step)
         if plan.source is Source.HOST:
             operation.views.own = flat
-        for chunk, (staged, own) in enumerate(zip(operation.views.source, flat, strict=True)):
-            if not plan.staged(chunk):
-                continue
-            staged.copy_(own)
+        source = operation.views.source
+        for chunk in plan.staged:
+            source[chunk].copy_(flat[chunk])
             if not operation.blocking:
                 self.flags.publish(ARRIVED, base + chunk + 1)
-        if operation.blocking or not plan.staged(plan.chunks - 1):  # the last chunk was not announced
+        if operation.blocking or plan.staged[-1:] != (plan.chunks - 1,):  # the last chunk was not announced
             self.flags.publish(ARRIVED, base + plan.chunks)
 
     def _done_everywhere(self, seq: int) -> bool:

@@ -13,7 +13,7 @@ from enum import Enum
 import torch
 
 from mpistrategy.comm.buffers import deliver
-from mpistrategy.comm.shm.plan import Plan, Summing
+from mpistrategy.comm.shm.plan import Plan
 
 Chunks = tuple[torch.Tensor, ...]
 
@@ -27,7 +27,7 @@ class Phase(Enum):
     COMPLETE = "its result is ready"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Views:
     """Where an operation's chunks are on this rank: tuples of flat views, one per chunk."""
 
@@ -39,7 +39,7 @@ class Views:
     results: list[Chunks] | None = None  # every rank's result, likewise (each chunk has an owner)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Operation:
     """One allreduce on this rank.
 
@@ -85,11 +85,6 @@ class Operation:
         not once the sums were pushed, after which no rank reads another's tensor."""
         return self.plan.waits_for_readers and not self.pushed
 
-    @property
-    def summed_into(self) -> Chunks:
-        """Where this rank writes its sums first: its shared result (each chunk has an owner) or its target."""
-        return self.views.result if self.plan.summing is Summing.OWNERS else self.views.target
-
     def result(self) -> torch.Tensor:
         """The allreduce's result, once complete: ``out`` or a new tensor, in the input's dtype and device."""
         assert self.target is not None, "released"
@@ -97,5 +92,7 @@ class Operation:
 
     def release(self) -> None:
         """Drop the references to the tensors it used."""
-        self.views = Views()
+        views = self.views
+        views.source = views.own = views.result = views.target = ()
+        views.inputs = views.results = None
         self.out = self.target = None

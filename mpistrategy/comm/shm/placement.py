@@ -27,18 +27,14 @@ class Places:
         in (so every rank can read it where it is), and the byte offset where it starts; else ``None``."""
         if not tensor.is_cpu:
             return None
-        where = self._locate(tensor)
-        if where is None or not self._covered_by(where[0]):
-            return None
-        return where
-
-    def _locate(self, tensor: torch.Tensor) -> tuple[Segment, int] | None:
         key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
         where = self._located.get(key)
         if key not in self._located or (where is not None and find(where[0].id) is not where[0]):
             if len(self._located) >= _REMEMBERED_PLACES:
                 self._located.clear()
             where = self._located[key] = locate(tensor) if tensor.is_contiguous() else None
+        if where is None or not self._covered_by(where[0]):
+            return None
         return where
 
     def _covered_by(self, segment: Segment) -> bool:

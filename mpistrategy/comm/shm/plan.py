@@ -44,6 +44,10 @@ class Source(Enum):
     HOST = "private host memory: copied into staging, but this rank reads its own chunks from the tensor"
     DEVICE = "device memory: copied into staging, where this rank reads it too"
 
+    # a member equals only itself: hashed by identity, without the Python call of Enum's hash by name (every
+    # operation looks its plan up by its source)
+    __hash__ = object.__hash__
+
 
 class Results(Enum):
     """Where this rank's sums go."""
@@ -66,7 +70,8 @@ class Results(Enum):
 
 @dataclass(frozen=True)
 class Plan:
-    """One rank's plan of one allreduce (built by :func:`plan_allreduce`).
+    """One rank's plan of one allreduce (built by :func:`plan_allreduce`). What follows from the attributes is
+    worked out once per plan (the plans are remembered, and operations repeat).
 
     Attributes:
         size: the ranks P.
@@ -93,33 +98,35 @@ class Plan:
         rank, or this rank itself when every rank sums every chunk."""
         return chunk % self.size if self.summing is Summing.OWNERS else self.rank
 
-    @property
+    @functools.cached_property
     def summed_here(self) -> range:
         """The chunks this rank sums, in order: its own (``rank``, ``rank + P``, ...) or all."""
         if self.summing is Summing.OWNERS:
             return range(self.rank, self.chunks, self.size)
         return range(self.chunks)
 
-    @property
+    @functools.cached_property
     def copies_in(self) -> bool:
         """Whether this rank copies its input into staging (else the others read it where it is)."""
         return self.source is not Source.WINDOW
 
-    def staged(self, chunk: int) -> bool:
-        """Whether this rank copies ``chunk`` of its input into staging: every chunk of an input that is copied
-        in, but for a host input its own chunks when each chunk has an owner (only it reads them, from the
+    @functools.cached_property
+    def staged(self) -> tuple[int, ...]:
+        """The chunks of its input this rank copies into staging, in order: every chunk of an input that is copied
+        in, but for a host input not its own chunks when each chunk has an owner (only it reads them, from the
         tensor)."""
         if self.source is Source.WINDOW:
-            return False
-        own = self.summing is Summing.OWNERS and self.owner(chunk) == self.rank
-        return not (own and self.source is Source.HOST)
+            return ()
+        if self.source is Source.HOST and self.summing is Summing.OWNERS:
+            return tuple(chunk for chunk in range(self.chunks) if chunk % self.size != self.rank)
+        return tuple(range(self.chunks))
 
-    @property
+    @functools.cached_property
     def sums_in_staging(self) -> bool:
         """Whether this rank's sums go to its staging (where the others copy them from)."""
         return self.results in (Results.STAGING_AND_TARGET, Results.STAGING)
 
-    @property
+    @functools.cached_property
     def waits_for_readers(self) -> bool:
         """Whether this rank completes only once every rank has: the others still read its tensor after they
         have its chunks (its sums in its input, or its input in a window that the caller may change afterwards)

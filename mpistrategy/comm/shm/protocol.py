@@ -55,11 +55,6 @@ class Descriptor(NamedTuple):
     blocking: bool
     summed_in_place: bool  # its sums overwrite its input in a window (Results.OVER_INPUT)
 
-    def publish(self, flags: Flags) -> None:
-        """Write it into this rank's descriptor slot of its operation."""
-        bits = self.blocking * _BLOCKING | self.summed_in_place * _SUMMED_IN_PLACE
-        flags.describe(self.seq, (*self[:7], bits))
-
     @classmethod
     def read(cls, flags: Flags, rank: int, seq: int) -> Descriptor:
         """Rank ``rank``'s descriptor in the slot of operation ``seq``."""
@@ -70,6 +65,22 @@ class Descriptor(NamedTuple):
         return cls(
             number, numel, code, input_segment, input_offset, result_segment, result_offset, blocking, summed_in_place
         )
+
+
+def publish_descriptor(
+    flags: Flags,
+    seq: int,
+    numel: int,
+    dtype_code: int,
+    input_at: tuple[int, int],
+    result_at: tuple[int, int],
+    blocking: bool,
+    summed_in_place: bool,
+) -> None:
+    """Write this rank's :class:`Descriptor` of operation ``seq`` into its slot (``input_at`` and ``result_at``:
+    segment id and byte offset)."""
+    bits = blocking * _BLOCKING | summed_in_place * _SUMMED_IN_PLACE
+    flags.describe(seq, (seq, numel, dtype_code, *input_at, *result_at, bits))
 
 
 class CounterProtocol:
@@ -253,27 +264,26 @@ class CounterProtocol:
     # ------------------------------------------------------------------------------------------- chunk steps
 
     def _sum_step(self, operation: Operation, chunk: int) -> None:
-        """Sum ``chunk`` of every rank's input in rank order into where this rank's sum goes: scratch for a
-        write-back, else its result, and its target too (:attr:`Results.STAGING_AND_TARGET`) or every other
-        rank's input (pushed)."""
-        views = operation.views
+        """Sum ``chunk`` of every rank's input in rank order into where this rank's sum goes (see
+        :class:`~mpistrategy.comm.shm.plan.Results`): scratch for a write-back, the target, or the shared result
+        (and the target too, or every other rank's input when the sums are pushed)."""
+        views, results = operation.views, operation.plan.results
         assert views.inputs is not None, "summed only once the others' descriptors are read"
         parts = [inputs[chunk] for inputs in views.inputs]
-        if operation.plan.results is Results.WRITE_BACK:
-            outputs: tuple[torch.Tensor, ...] = (self._write_back_scratch(views.target[chunk]),)
+        outputs: tuple[torch.Tensor, ...]
+        if results is Results.WRITE_BACK:
+            outputs = (self._write_back_scratch(views.target[chunk]),)
+        elif results is Results.TARGET:
+            outputs = (views.target[chunk],)
+        elif results is Results.STAGING_AND_TARGET:
+            outputs = (views.result[chunk], views.target[chunk])
+        elif operation.pushed:
+            assert views.results is not None, "pushed is known once the others' descriptors are read"
+            others = (shared[chunk] for peer, shared in enumerate(views.results) if peer != self.rank)
+            outputs = (views.result[chunk], *others)
         else:
-            outputs = self._sum_outputs(operation, chunk)
+            outputs = (views.result[chunk],)
         rank_order_sum(outputs, parts, operation.scale, self.rank, self.scratch)
-
-    def _sum_outputs(self, operation: Operation, chunk: int) -> tuple[torch.Tensor, ...]:
-        into = operation.summed_into[chunk]
-        if operation.plan.results is Results.STAGING_AND_TARGET:
-            return into, operation.views.target[chunk]
-        if operation.pushed:
-            assert operation.views.results is not None, "pushed is known once the descriptors are read"
-            others = (results[chunk] for peer, results in enumerate(operation.views.results) if peer != self.rank)
-            return into, *others
-        return (into,)
 
     def _write_back_step(self, operation: Operation, chunk: int) -> None:
         """Overwrite ``chunk`` of this rank's input with its sum, kept in scratch until every rank read it."""
