@@ -29,10 +29,6 @@ def plan_of(numel: int, size: int, rank: int, itemsize: int = FLOAT32, source: S
     return plan_allreduce(numel, itemsize, size, rank, source, False, True)
 
 
-def owners_of(plan: Plan) -> list[int]:
-    return [plan.owner(chunk) for chunk in range(plan.chunks)]
-
-
 def chunk_lengths(plan: Plan) -> list[int]:
     return [min(plan.step, plan.numel - chunk * plan.step) for chunk in range(plan.chunks)]
 
@@ -53,7 +49,7 @@ def test_each_chunk_of_a_large_odd_message_is_summed_by_rank_chunk_mod_p(
         plan = plan_of(ODD, size, rank)
         assert plan.summing is Summing.OWNERS
         assert (plan.step, plan.chunks, chunk_lengths(plan)) == (step, len(lengths), lengths)
-        assert owners_of(plan) == [chunk % size for chunk in range(len(lengths))]
+        assert plan.owners == tuple(chunk % size for chunk in range(len(lengths)))
         assert list(plan.summed_here) == summed_by_rank[rank]
 
 
@@ -65,14 +61,14 @@ def test_a_message_smaller_than_the_rank_count_or_small_is_one_chunk_that_every_
     for rank in range(size):
         plan = plan_of(numel, size, rank)
         assert plan.summing is Summing.EVERY_RANK
-        assert (plan.step, plan.chunks, list(plan.summed_here), plan.owner(0)) == (step, 1, [0], rank)
+        assert (plan.step, plan.chunks, list(plan.summed_here), plan.owners) == (step, 1, [0], (rank,))
         assert plan.results is Results.TARGET and plan.staged == (0,)
 
 
 def test_one_rank_sums_every_chunk_of_any_message_itself() -> None:
     plan = plan_of(ODD, 1, 0)
     assert (plan.summing, plan.step, plan.chunks) == (Summing.EVERY_RANK, 262144, 4)
-    assert list(plan.summed_here) == [0, 1, 2, 3] and owners_of(plan) == [0, 0, 0, 0]
+    assert list(plan.summed_here) == [0, 1, 2, 3] and plan.owners == (0, 0, 0, 0)
 
 
 @pytest.mark.parametrize(

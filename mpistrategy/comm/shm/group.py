@@ -25,9 +25,9 @@ from mpi4py import MPI
 
 from mpistrategy.comm import rank_sum
 from mpistrategy.comm.buffers import DTYPE_CODES, receive_buffer, same_memory
-from mpistrategy.comm.shm.operation import Operation, Phase
+from mpistrategy.comm.shm.operation import CHECKING, COMPLETE, RUNNING, Operation
 from mpistrategy.comm.shm.placement import Places, split
-from mpistrategy.comm.shm.plan import Results, Source, plan_allreduce
+from mpistrategy.comm.shm.plan import DEVICE, HOST, OVER_INPUT, WINDOW, WRITE_BACK, plan_allreduce
 from mpistrategy.comm.shm.protocol import CounterProtocol, publish_descriptor
 from mpistrategy.comm.shm.settings import require_alike
 from mpistrategy.comm.shm.staging import Staging
@@ -151,8 +151,8 @@ class SharedMemoryGroup:
         if len(set(self.flags.posted_values(round_))) > 1:
             raise _ChecksDiffer(disagreement)
         for operation in self.protocol.flight:
-            if operation.phase is Phase.CHECKING:
-                operation.phase = Phase.RUNNING
+            if operation.phase is CHECKING:
+                operation.phase = RUNNING
 
     def _recover(self, cancelled: Operation | None) -> None:
         """After a failed check: drop the operation it began, finish the others, and let every rank continue
@@ -194,7 +194,7 @@ class SharedMemoryGroup:
             if operation.plan.chunks:
                 self.protocol.run(operation)
             self.flags.poke()
-            operation.phase = Phase.COMPLETE
+            operation.phase = COMPLETE
             result = operation.result()
             operation.release()
             return result
@@ -211,8 +211,8 @@ class SharedMemoryGroup:
         except _ChecksDiffer as failure:
             self._recover(operation)
             failure.report()
-        if operation.phase is Phase.CHECKING:
-            operation.phase = Phase.RUNNING
+        if operation.phase is CHECKING:
+            operation.phase = RUNNING
         return operation
 
     def _new_operation(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None, blocking: bool) -> Operation:
@@ -222,15 +222,15 @@ class SharedMemoryGroup:
         numel, dtype, device = tensor.numel(), tensor.dtype, tensor.device
         scale = 1.0 / self.size if op == "avg" else 1.0
         if not numel:  # nothing to exchange: every rank knows (the shapes agree)
-            empty = plan_allreduce(0, dtype.itemsize, self.size, self.rank, Source.HOST, False, True)
+            empty = plan_allreduce(0, dtype.itemsize, self.size, self.rank, HOST, False, True)
             result = receive_buffer(out, tuple(tensor.shape), dtype, device)
-            return Operation(empty, blocking, scale, dtype, device, out, result, phase=Phase.COMPLETE)
+            return Operation(empty, blocking, scale, dtype, device, out, result, phase=COMPLETE)
         self.seq += 1
         seq = self.seq
         if seq > RING and not self._done_everywhere(seq - RING):  # its descriptor slot's last user
             self.protocol.wait_until(lambda: self._done_everywhere(seq - RING))
         window = self.places.window_of(tensor)
-        source = Source.WINDOW if window is not None else Source.HOST if tensor.is_cpu else Source.DEVICE
+        source = WINDOW if window is not None else HOST if tensor.is_cpu else DEVICE
         in_place = out is tensor or (out is not None and same_memory(out, tensor))
         # the result tensor: out itself when reduced in place in a window, else where the sums can go
         if out is not None and in_place and window is not None:
@@ -239,24 +239,25 @@ class SharedMemoryGroup:
             target = receive_buffer(out, tuple(tensor.shape), dtype, device)
         plan = plan_allreduce(numel, dtype.itemsize, self.size, self.rank, source, in_place, target.is_cpu)
         operation = Operation(plan, blocking, scale, dtype, device, out, target, seq, self.chunk_count)
-        operation.next_sum = plan.summed_here.start
+        operation.next_sum, operation.waits_for_readers = plan.summed_here.start, plan.waits_for_readers
         self.chunk_count += plan.chunks
-        staging_offset, staging_busy_until = self.staging.reserve(seq, numel * dtype.itemsize)
-        input_at, result_at = self._lay_out(operation, window, staging_offset)
+        staged_at, staging_busy_until = self.staging.reserve(seq, numel * dtype.itemsize)
+        input_at, result_at = self._lay_out(operation, window, staged_at)
         busy = staging_busy_until and not self._done_everywhere(staging_busy_until)
         if busy and (plan.copies_in or plan.sums_in_staging):
             self.protocol.wait_until(lambda: self._done_everywhere(staging_busy_until))
-        code, in_place_sums = DTYPE_CODES.index(dtype), plan.results is Results.OVER_INPUT
+        code, in_place_sums = DTYPE_CODES.index(dtype), plan.results is OVER_INPUT
         publish_descriptor(self.flags, seq, numel, code, input_at, result_at, blocking, in_place_sums)
         return operation
 
     def _lay_out(
-        self, operation: Operation, window: tuple[Segment, int] | None, staging_offset: int
+        self, operation: Operation, window: tuple[Segment, int] | None, staged_at: tuple[int, int]
     ) -> tuple[tuple[int, int], tuple[int, int]]:
-        """Set where ``operation``'s chunks are on this rank; where the others find its input and its sums
-        (segment id and byte offset; ``(-1, 0)``: sums that nobody else reads)."""
+        """Set where ``operation``'s chunks are on this rank (its input in ``window``, else at ``staged_at``);
+        where the others find its input and its sums (segment id and byte offset; ``(-1, 0)``: sums that nobody
+        else reads)."""
         plan, views, dtype = operation.plan, operation.views, operation.dtype
-        staged_at = self.staging.place(staging_offset)
+        staging_offset = staged_at[1]
         if window is not None:
             segment, offset = window
             input_at = (segment.id, offset)
@@ -266,12 +267,12 @@ class SharedMemoryGroup:
             views.source = self.staging.chunks(staging_offset, plan.numel, dtype, plan.step)
         views.own = views.source
         result_at = (-1, 0)
-        if plan.results in (Results.OVER_INPUT, Results.WRITE_BACK):  # the result is the input, where it is
+        if plan.results in (OVER_INPUT, WRITE_BACK):  # the result is the input, where it is
             views.target = views.source
         else:
             assert operation.target is not None, "a new operation has its result tensor"
             views.target = split(operation.target.view(-1), plan.step)
-        if plan.results is Results.OVER_INPUT:
+        if plan.results is OVER_INPUT:
             views.result, result_at = views.source, input_at
         elif plan.sums_in_staging:  # over this rank's staged input, or beside a window input that must stay
             staged = (
@@ -291,7 +292,7 @@ class SharedMemoryGroup:
             self.flags.publish(ARRIVED, base + plan.chunks)
             return
         flat = split(tensor.detach().reshape(-1), plan.step)
-        if plan.source is Source.HOST:
+        if plan.source is HOST:
             operation.views.own = flat
         source = operation.views.source
         for chunk in plan.staged:

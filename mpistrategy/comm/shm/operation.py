@@ -27,6 +27,10 @@ class Phase(Enum):
     COMPLETE = "its result is ready"
 
 
+# The members as module constants, for the code that compares them on every step (see plan.OWNERS)
+CHECKING, RUNNING, ANNOUNCED, COMPLETE = Phase.CHECKING, Phase.RUNNING, Phase.ANNOUNCED, Phase.COMPLETE
+
+
 @dataclass(eq=False, slots=True)
 class Views:
     """Where an operation's chunks are on this rank: tuples of flat views, one per chunk."""
@@ -61,6 +65,9 @@ class Operation:
         pushed: every rank reduces in place in a window
             (:attr:`~mpistrategy.comm.shm.plan.Results.OVER_INPUT`), so every owner writes its sums into every
             rank's input (known once the others' descriptors are read).
+        waits_for_readers: this rank must see every rank's DONE before completing
+            (:attr:`~mpistrategy.comm.shm.plan.Plan.waits_for_readers`), unless the sums were pushed: then no
+            rank reads another's tensor afterwards.
     """
 
     plan: Plan
@@ -73,17 +80,12 @@ class Operation:
     seq: int = 0
     base: int = 0
     views: Views = field(default_factory=Views)
-    phase: Phase = Phase.CHECKING
+    phase: Phase = CHECKING
     next_sum: int = 0
     sum_in_scratch: bool = False
     next_collect: int = 0
     pushed: bool = False
-
-    @property
-    def waits_for_readers(self) -> bool:
-        """Whether this rank must see every rank's DONE before completing (see :attr:`Plan.waits_for_readers`):
-        not once the sums were pushed, after which no rank reads another's tensor."""
-        return self.plan.waits_for_readers and not self.pushed
+    waits_for_readers: bool = False
 
     def result(self) -> torch.Tensor:
         """The allreduce's result, once complete: ``out`` or a new tensor, in the input's dtype and device."""

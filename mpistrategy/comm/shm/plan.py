@@ -68,6 +68,14 @@ class Results(Enum):
     TARGET = "every rank sums straight into its target"
 
 
+# The members as module constants, for the code that compares them on every operation and chunk: before Python
+# 3.12, each attribute lookup on an Enum class (``Results.TARGET``) takes the slow path of EnumType.__getattr__.
+EVERY_RANK, OWNERS = Summing.EVERY_RANK, Summing.OWNERS
+WINDOW, HOST, DEVICE = Source.WINDOW, Source.HOST, Source.DEVICE
+OVER_INPUT, WRITE_BACK, STAGING_AND_TARGET = Results.OVER_INPUT, Results.WRITE_BACK, Results.STAGING_AND_TARGET
+STAGING, TARGET = Results.STAGING, Results.TARGET
+
+
 @dataclass(frozen=True)
 class Plan:
     """One rank's plan of one allreduce (built by :func:`plan_allreduce`). What follows from the attributes is
@@ -93,10 +101,13 @@ class Plan:
     source: Source
     results: Results
 
-    def owner(self, chunk: int) -> int:
-        """The rank whose sum of ``chunk`` this rank's result gets: rank ``chunk mod P``, which sums it for every
-        rank, or this rank itself when every rank sums every chunk."""
-        return chunk % self.size if self.summing is Summing.OWNERS else self.rank
+    @functools.cached_property
+    def owners(self) -> tuple[int, ...]:
+        """For every chunk, the rank whose sum of it this rank's result gets: rank ``chunk mod P``, which sums it
+        for every rank, or this rank itself when every rank sums every chunk."""
+        if self.summing is Summing.OWNERS:
+            return tuple(chunk % self.size for chunk in range(self.chunks))
+        return (self.rank,) * self.chunks
 
     @functools.cached_property
     def summed_here(self) -> range:

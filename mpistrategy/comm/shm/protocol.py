@@ -28,9 +28,9 @@ import torch
 
 from mpistrategy.comm.buffers import DTYPE_CODES
 from mpistrategy.comm.errors import CommunicationError
-from mpistrategy.comm.shm.operation import Operation, Phase
+from mpistrategy.comm.shm.operation import ANNOUNCED, CHECKING, COMPLETE, RUNNING, Operation
 from mpistrategy.comm.shm.placement import Places
-from mpistrategy.comm.shm.plan import Results, Summing
+from mpistrategy.comm.shm.plan import OVER_INPUT, OWNERS, STAGING, STAGING_AND_TARGET, TARGET, WRITE_BACK
 from mpistrategy.comm.shm.sums import Scratch, rank_order_sum
 from mpistrategy.comm.shm_flags import ARRIVED, DONE, REDUCED, Flags, reached
 
@@ -132,13 +132,13 @@ class CounterProtocol:
         """Advance without blocking; whether ``operation`` is complete."""
         with self.lock:
             self.advance()
-            return operation.phase is Phase.COMPLETE
+            return operation.phase is COMPLETE
 
     def wait(self, operation: Operation) -> None:
         """Block until ``operation`` is complete."""
         with self.lock:
             self.flags.poke()
-            self.wait_until(lambda: operation.phase is Phase.COMPLETE)
+            self.wait_until(lambda: operation.phase is COMPLETE)
 
     # ----------------------------------------------------------------------------------------- blocking: run
 
@@ -161,13 +161,13 @@ class CounterProtocol:
             self.publish_and_wait_for_all(REDUCED, base + plan.chunks)
             flags.publish(DONE, operation.seq)
             return
-        if plan.summing is Summing.OWNERS or plan.results is Results.WRITE_BACK:
+        if plan.summing is OWNERS or plan.results is WRITE_BACK:
             self.publish_and_wait_for_all(REDUCED, base + plan.chunks)  # every rank's sums written, inputs read
         else:
             flags.store(REDUCED, base + plan.chunks)
-        if plan.results is Results.WRITE_BACK:  # one chunk: every rank sums at most EVERYONE_SUMS_BYTES
+        if plan.results is WRITE_BACK:  # one chunk: every rank sums at most EVERYONE_SUMS_BYTES
             self._write_back_step(operation, 0)
-        elif plan.summing is Summing.OWNERS:
+        elif plan.summing is OWNERS:
             for chunk in range(plan.chunks):
                 self._collect_step(operation, chunk)
         if operation.waits_for_readers:
@@ -190,7 +190,7 @@ class CounterProtocol:
         progressed = False
         flags = self.flags
         for operation in self.flight:
-            if operation.phase is Phase.CHECKING:
+            if operation.phase is CHECKING:
                 return progressed
             plan, base = operation.plan, operation.base
             while operation.next_sum < plan.chunks:
@@ -208,7 +208,7 @@ class CounterProtocol:
                 if operation.views.inputs is None:
                     self._resolve(operation)
                 self._sum_step(operation, chunk)
-                if plan.results is Results.WRITE_BACK:
+                if plan.results is WRITE_BACK:
                     operation.sum_in_scratch = True
                 else:
                     operation.next_sum = chunk + plan.summed_here.step
@@ -223,12 +223,12 @@ class CounterProtocol:
         flags, rank = self.flags, self.rank
         for operation in self.flight:
             plan = operation.plan
-            owners = plan.summing is Summing.OWNERS
-            if operation.phase is Phase.CHECKING or (not owners and operation.next_sum < plan.chunks):
+            owners = plan.summing is OWNERS
+            if operation.phase is CHECKING or (not owners and operation.next_sum < plan.chunks):
                 return progressed
             while owners and operation.next_collect < plan.chunks:
                 chunk = operation.next_collect
-                owner = plan.owner(chunk)
+                owner = plan.owners[chunk]
                 if owner == rank:
                     if operation.next_sum <= chunk:
                         return progressed
@@ -241,21 +241,21 @@ class CounterProtocol:
                 self._collect_step(operation, chunk)
                 operation.next_collect = chunk + 1
                 progressed = True
-            if operation.phase is Phase.RUNNING:
+            if operation.phase is RUNNING:
                 flags.publish(DONE, operation.seq)
-                operation.phase = Phase.ANNOUNCED
+                operation.phase = ANNOUNCED
                 progressed = True
         return progressed
 
     def _complete_announced(self) -> bool:
         """Complete the announced operations at the front of the flight, once no rank reads their tensors."""
         progressed = False
-        while self.flight and self.flight[0].phase is Phase.ANNOUNCED:
+        while self.flight and self.flight[0].phase is ANNOUNCED:
             operation = self.flight[0]
             if operation.waits_for_readers and not self.flags.all_reached(DONE, operation.seq):
                 break
             self.flight.popleft()
-            operation.phase = Phase.COMPLETE
+            operation.phase = COMPLETE
             progressed = True
         if not self.flight:
             _busy.discard(self)
@@ -271,11 +271,11 @@ class CounterProtocol:
         assert views.inputs is not None, "summed only once the others' descriptors are read"
         parts = [inputs[chunk] for inputs in views.inputs]
         outputs: tuple[torch.Tensor, ...]
-        if results is Results.WRITE_BACK:
+        if results is WRITE_BACK:
             outputs = (self._write_back_scratch(views.target[chunk]),)
-        elif results is Results.TARGET:
+        elif results is TARGET:
             outputs = (views.target[chunk],)
-        elif results is Results.STAGING_AND_TARGET:
+        elif results is STAGING_AND_TARGET:
             outputs = (views.result[chunk], views.target[chunk])
         elif operation.pushed:
             assert views.results is not None, "pushed is known once the others' descriptors are read"
@@ -296,12 +296,12 @@ class CounterProtocol:
     def _collect_step(self, operation: Operation, chunk: int) -> None:
         """Bring the sum of ``chunk`` into this rank's target: copied from its owner's result, unless the owner
         wrote it there (pushed, or this rank's own sum written to the target as it was summed)."""
-        views, owner = operation.views, operation.plan.owner(chunk)
+        views, owner = operation.views, operation.plan.owners[chunk]
         if owner != self.rank:
             if not operation.pushed:
                 assert views.results is not None, "collected only once the others' descriptors are read"
                 views.target[chunk].copy_(views.results[owner][chunk])
-        elif operation.plan.results is Results.STAGING:
+        elif operation.plan.results is STAGING:
             views.target[chunk].copy_(views.result[chunk])
 
     # ------------------------------------------------------------------------------------ the others' chunks
@@ -311,9 +311,10 @@ class CounterProtocol:
         :class:`CommunicationError` when a rank describes another message or the other kind of call."""
         self.flags.acquire()
         plan, views = operation.plan, operation.views
-        owners = plan.summing is Summing.OWNERS
+        owners = plan.summing is OWNERS
         inputs, results = [], []
-        pushed = plan.results is Results.OVER_INPUT
+        pushed = plan.results is OVER_INPUT
+        layout = (plan.numel, operation.dtype, plan.step)  # of every rank's chunks
         for rank in range(self.size):
             if rank == self.rank:
                 inputs.append(views.own)
@@ -322,16 +323,13 @@ class CounterProtocol:
             described = Descriptor.read(self.flags, rank, operation.seq)
             pushed = pushed and described.summed_in_place
             self._check(operation, rank, described)
-            inputs.append(self._chunks_at(operation, rank, described.input_segment, described.input_offset))
+            inputs.append(self.places.chunks_of(rank, described.input_segment, described.input_offset, *layout))
             if owners:
-                results.append(self._chunks_at(operation, rank, described.result_segment, described.result_offset))
+                results.append(self.places.chunks_of(rank, described.result_segment, described.result_offset, *layout))
         views.inputs = inputs
         views.results = results if owners else None
         operation.pushed = pushed
-
-    def _chunks_at(self, operation: Operation, rank: int, segment_id: int, offset: int) -> tuple[torch.Tensor, ...]:
-        plan = operation.plan
-        return self.places.chunks_of(rank, segment_id, offset, plan.numel, operation.dtype, plan.step)
+        operation.waits_for_readers = plan.waits_for_readers and not pushed
 
     def _check(self, operation: Operation, rank: int, described: Descriptor) -> None:
         dtype, numel = operation.dtype, operation.plan.numel

@@ -42,10 +42,10 @@ class Staging:
         self._head = 0  # where the next reservation starts
         self._before_last: tuple[tuple[tuple[int, int, int], ...], int] = ((), 0)
 
-    def reserve(self, seq: int, nbytes: int) -> tuple[int, int]:
-        """Reserve ``nbytes`` for operation ``seq``: the byte offset, and the last operation that used any of that
-        space (0: none), which every rank must have completed before this one writes there. Operations up to
-        ``seq - RING`` must be complete on every rank."""
+    def reserve(self, seq: int, nbytes: int) -> tuple[tuple[int, int], int]:
+        """Reserve ``nbytes`` for operation ``seq``: where (segment id and byte offset, as the other ranks find
+        it), and the last operation that used any of that space (0: none), which every rank must have completed
+        before this one writes there. Operations up to ``seq - RING`` must be complete on every rank."""
         self._before_last = (tuple(self._regions), self._head)
         need = -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
         while self._regions and self._regions[0][0] <= seq - RING:
@@ -66,17 +66,13 @@ class Staging:
         kept.append((seq, start, end))
         self._regions = collections.deque(kept)
         self._head = end
-        return start, busy_until
+        assert self.segment is not None, "the loop above allocates the segment"
+        return (self.segment.id, start), busy_until
 
     def undo_last(self) -> None:
         """Return the space of the last reservation (its operation was dropped on every rank)."""
         regions, self._head = self._before_last
         self._regions = collections.deque(regions)
-
-    def place(self, offset: int) -> tuple[int, int]:
-        """How the other ranks find byte ``offset`` of this rank's staging: (segment id, offset)."""
-        assert self.segment is not None, "reserve() allocates the segment"
-        return self.segment.id, offset
 
     def chunks(self, offset: int, numel: int, dtype: torch.dtype, step: int) -> tuple[torch.Tensor, ...]:
         """This rank's ``numel`` elements of ``dtype`` at ``offset``, in chunks of ``step`` elements."""
