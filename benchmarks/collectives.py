@@ -18,7 +18,7 @@ For allreduce, broadcast and allgather of float32 messages from 1 KB to 64 MB it
   (autograd must return new tensors; no checks, no metadata), what a plain autograd wrapper costs. It bounds
   what torch's engine adds, not our cost: where recycled result memory pays (our receive pool), ours is faster.
 
-For allreduce, more contenders show the node-local shared-memory allreduce (:mod:`mpistrategy.comm.shm_allreduce`):
+For allreduce, more contenders show the node-local shared-memory allreduce (:mod:`mpistrategy.comm.shm`):
 ``shm`` (ours with shared memory forced on, at every size, on the same private buffers, which it copies in) and
 ``ours_mpi`` (ours with it off: MPI's allreduce); ``ours`` itself runs in the default mode, shared memory from the
 size threshold on. In the forward, ``shm_window`` reduces a tensor that lives in a shared segment in place, as
@@ -312,7 +312,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import mpistrategy as ms
-    from mpistrategy.comm.shm_allreduce import min_bytes
+    from mpistrategy.comm.shm import min_bytes
 
     comm = MPI.COMM_WORLD
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed.nn's deprecation notices

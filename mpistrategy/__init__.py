@@ -33,7 +33,7 @@ from mpistrategy.comm.checks import set_validation, validation, validation_enabl
 from mpistrategy.comm.communicator import Communicator, world
 from mpistrategy.comm.errors import CommunicationError
 from mpistrategy.comm.flight import set_flight_directory
-from mpistrategy.comm.shm_allreduce import set_shared_memory, shared_memory
+from mpistrategy.comm.shm import set_shared_memory, shared_memory
 from mpistrategy.comm.watchdog import STALL_EXIT_CODE, set_stall_timeout, stall_timeout
 
 tune_malloc()

@@ -19,7 +19,7 @@ tensors only, which torch never lets require grad: their results carry no gradie
 summed (and multiplied) in float32 and rounded once; bool supports max (logical or) and min (logical and) and the
 logical and bitwise ops. The forward and backward messages travel on distinct duplicates of the communicator. Sum
 and avg over ranks that share a node go through shared memory instead of MPI from a size threshold on (see
-:mod:`mpistrategy.comm.shm_allreduce`); the ranks agree on that choice in the argument check, which itself goes
+:mod:`mpistrategy.comm.shm`); the ranks agree on that choice in the argument check, which itself goes
 through the shared-memory flags once a communicator's ranks have them; so does the check of every other op on
 that communicator (:func:`~mpistrategy.comm.checks.check_on_node`), which an allreduce's check then meets.
 """
@@ -59,7 +59,7 @@ from mpistrategy.comm.calls import CODE_NAMES
 from mpistrategy.comm.checks import Exchange, check_dim, check_on_node, check_rank, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.pool import receive_pool
-from mpistrategy.comm.shm_allreduce import SharedWork, agreement, built_group, group_for, wanted
+from mpistrategy.comm.shm import SharedWork, built_group, check_exchange, group_for, uses_shared_memory
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 CODE_NAMES["op"] = dict(enumerate(REDUCE_OPS))  # error messages and the call log show op=sum, not op=0
@@ -69,7 +69,7 @@ def _node_exchange(comm: Communicator) -> Exchange | None:
     """Where every op on ``comm`` checks its call besides MPI: the flags of the shared-memory group that its
     allreduces check through, once that group exists (so an allreduce and another op meet in one check)."""
     group = built_group(comm.forward)
-    return None if group is None else group.exchange
+    return None if group is None else group.exchange_check
 
 
 check_on_node(_node_exchange)
@@ -186,7 +186,7 @@ def _allreduce_arguments(
     dtype, shape = tensor.dtype, tensor.shape
     if out is not None:
         check_out(out, recorded, what, None if out is tensor else shape, dtype)
-    shared = wanted(tensor, op, size)
+    shared = uses_shared_memory(tensor, op, size)
     return (dtype, shape, _OP_CODES[op], recorded, shared), recorded  # signature(...), built inline
 
 
@@ -226,7 +226,7 @@ def allreduce(
         out,
         None,
         comm.size,
-        exchange=agreement(comm.forward, tensor, op),
+        exchange=check_exchange(comm.forward, tensor, op),
     )
     if not recorded:
         return _allreduce(tensor, op, comm.forward, comm.size, out)
@@ -261,7 +261,7 @@ def iallreduce(
         out,
         refusal,
         comm.size,
-        exchange=agreement(comm.forward, tensor, op),
+        exchange=check_exchange(comm.forward, tensor, op),
     )
     if op == "prod" and recorded:
         product = _NonBlockingProduct(comm)

@@ -8,8 +8,8 @@ its own cache line, 32-bit words:
 - a doorbell that the others write and this rank sleeps on (a Linux futex), and a flag saying it may be asleep;
 - its pid and process start time, so that a waiting rank can tell a dead peer from a slow one;
 
-two int64 values per rank for the argument check of the next operation (:meth:`Flags.offer`, two slots used in
-turn), and a ring of int64 descriptors that an operation in flight publishes for the others
+two int64 values per rank for the argument check of the next operation (:meth:`Flags.post_values`, two slots used
+in turn), and a ring of int64 descriptors that an operation in flight publishes for the others
 (:meth:`Flags.describe`).
 
 Publishing: store the counter, a full fence (``MPI_Win_sync``), then ring the doorbell of every peer whose sleeping
@@ -38,7 +38,7 @@ from mpistrategy.comm.shm_window import Segment, allocate, world_ranks
 #: counter words (indices of 32-bit words, 64 bytes apart)
 ARRIVED, REDUCED, DONE, CHECKED = 0, 16, 32, 48
 _BELL, _SLEEPING, _PID = 64, 80, 96
-_LONGS_BYTE = 448  # int64: the process start time, then two slots of two offered values
+_LONGS_BYTE = 448  # int64: the process start time, then two slots of two posted values
 _DESCRIPTOR_BYTES = 512
 #: how many operations can publish descriptors at once (a ring)
 RING = 64
@@ -170,18 +170,18 @@ class Flags:
             number, syscall = _FUTEX
             syscall(number, ctypes.c_void_p(self._bells[peer]), _FUTEX_WAKE, 1, None, None, 0)
 
-    # ------------------------------------------------------------------------------------------------- offers
+    # ---------------------------------------------------------------------------------------- posted values
 
-    def offer(self, round_: int, first: int, second: int) -> None:
-        """Offer two int64 values in round ``round_`` (1, 2, ...) and publish ``CHECKED``; every rank reads them
-        once it sees every ``CHECKED`` reach the round (:meth:`offers`). A rank reuses a slot two rounds later,
+    def post_values(self, round_: int, first: int, second: int) -> None:
+        """Post two int64 values in round ``round_`` (1, 2, ...) and publish ``CHECKED``; every rank reads them
+        once it sees every ``CHECKED`` reach the round (:meth:`posted_values`). A rank reuses a slot two rounds later,
         after it saw every rank reach the round in between, hence done reading this one."""
         slot = 1 + 2 * (round_ & 1)
         self._longs[self.rank][slot] = first
         self._longs[self.rank][slot + 1] = second
         self.publish(CHECKED, round_)
 
-    def offers(self, round_: int) -> list[tuple[int, int]]:
+    def posted_values(self, round_: int) -> list[tuple[int, int]]:
         """Every rank's two values of round ``round_`` (call once every ``CHECKED`` has reached it)."""
         self._fence()
         slot = 1 + 2 * (round_ & 1)

@@ -9,7 +9,7 @@ rank posts round k + 2 into the slot of round k only after completing round k + 
 completing (reading) round k.
 
 :func:`or_exchange` picks the shared-memory exchange when the ranks share memory and shared memory is not off
-(:func:`~mpistrategy.comm.shm_allreduce.shared_memory_mode`), else MPI's ``Iallreduce``.
+(:func:`~mpistrategy.comm.shm.settings.shared_memory_mode`), else MPI's ``Iallreduce``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 from mpi4py import MPI
 
-from mpistrategy.comm.shm_allreduce import shared_memory_mode
+from mpistrategy.comm.shm.settings import shared_memory_mode
 from mpistrategy.comm.shm_flags import ARRIVED, Flags
 from mpistrategy.comm.shm_window import allocate
 

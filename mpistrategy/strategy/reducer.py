@@ -13,7 +13,7 @@ A parameter of at least ``own_bucket_mb`` (1 MB) gets a bucket of its own whose 
 zeroed nor accumulated into a flat buffer each step (four passes over their memory fewer). Fusing gains nothing
 at that size: one message per megabyte costs microseconds of latency.
 
-Shared memory (unless ``MPISTRATEGY_SHM=0``, see :mod:`mpistrategy.comm.shm_allreduce`). The host buckets live in
+Shared memory (unless ``MPISTRATEGY_SHM=0``, see :mod:`mpistrategy.comm.shm`). The host buckets live in
 one shared segment over the ranks of this machine, so that the node-local allreduce reads every rank's bucket
 where backward wrote it and reduces it in place, with no copy. Where buckets are summed in shared memory (inside
 the node, for the sync modes that sum there, :attr:`~mpistrategy.sync.base.SyncMode.sums_in_node`; over the world,
@@ -82,7 +82,7 @@ from torch import nn
 from mpistrategy.aggregation.base import Aggregator, GradBucket, Work
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.comm.checks import validation
-from mpistrategy.comm.shm_allreduce import buffer_ranks, release
+from mpistrategy.comm.shm import buffer_ranks, release
 from mpistrategy.comm.shm_or import OrExchange, or_exchange
 from mpistrategy.comm.shm_window import Segment, allocate, locate
 from mpistrategy.comm.topology import Topology

@@ -10,7 +10,7 @@ the mean over all ``P`` ranks, ``x_bar = (1/P) sum_r x_r``, by one of two routes
   read.
 
 On the ``"nodes"`` route with several ranks per node (and shared memory not switched off, see
-:mod:`mpistrategy.comm.shm_allreduce`), the flat buffers live in the node's shared memory
+:mod:`mpistrategy.comm.shm`), the flat buffers live in the node's shared memory
 (:class:`~mpistrategy.comm.shared_flats.SharedFlats`, two sets used in turn): the node sum is the shared-memory
 allreduce, in place, and the other ranks read the leader's mean where it is instead of receiving a broadcast. A
 mean returned by :meth:`Averaging.result` off the leader is therefore the leader's memory: valid until the
@@ -44,7 +44,7 @@ from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.low_precision import HALF_DTYPES, half_buffer, half_sum
 from mpistrategy.comm.progress import Progress, drive
 from mpistrategy.comm.shared_flats import SharedFlats
-from mpistrategy.comm.shm_allreduce import group_for, release, shared_memory_mode
+from mpistrategy.comm.shm import group_for, release, shared_memory_mode
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import INTER_NODE, NODE, TrafficCounter
 

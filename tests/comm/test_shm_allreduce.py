@@ -13,8 +13,8 @@ from torch import nn
 import mpistrategy as ms
 from mpistrategy import CommunicationError
 from mpistrategy.aggregation import MeanAggregator
-from mpistrategy.comm import rank_sum, shm_allreduce, shm_window
-from mpistrategy.comm.shm_allreduce import CHUNK_BYTES, EVERYONE_SUMS_BYTES, built_group, shared_memory
+from mpistrategy.comm import rank_sum, shm_window
+from mpistrategy.comm.shm import CHUNK_BYTES, EVERYONE_SUMS_BYTES, built_group, settings, shared_memory
 from mpistrategy.comm.topology import topology
 from mpistrategy.strategy.reducer import GradientReducer
 from tests.adjoint import assert_adjoint, gather_reference, rank, rank_generator, size
@@ -250,12 +250,12 @@ def test_auto_mode_keeps_small_messages_and_other_ops_on_mpi() -> None:
 
 
 def test_settings_from_the_environment_are_checked() -> None:
-    assert shm_allreduce._mode_from("") == "auto" and shm_allreduce._mode_from("0") == "off"
-    assert shm_allreduce._mode_from("1") == "on" and shm_allreduce._mode_from(" On ") == "on"
+    assert settings._mode_from("") == "auto" and settings._mode_from("0") == "off"
+    assert settings._mode_from("1") == "on" and settings._mode_from(" On ") == "on"
     with pytest.raises(ValueError, match="MPISTRATEGY_SHM='maybe'"):
-        shm_allreduce._mode_from("maybe")
+        settings._mode_from("maybe")
     with pytest.raises(ValueError, match="MPISTRATEGY_SHM_MIN_BYTES='1MB'.*whole number"):
-        shm_allreduce._min_bytes_from("1MB")
+        settings._min_bytes_from("1MB")
     with pytest.raises(ValueError, match="auto, on, off"):
         ms.set_shared_memory("sometimes")
 

@@ -14,7 +14,7 @@ import torch
 import mpistrategy as ms
 from mpistrategy import CommunicationError
 from mpistrategy.comm import shm_window
-from mpistrategy.comm.shm_allreduce import built_group, shared_memory
+from mpistrategy.comm.shm import built_group, shared_memory
 from tests.adjoint import rank, size
 
 pytestmark = pytest.mark.mpi(ranks=(2, 3), timeout=120)

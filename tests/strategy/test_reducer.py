@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mpistrategy.aggregation import MeanAggregator
-from mpistrategy.comm.shm_allreduce import shared_memory
+from mpistrategy.comm.shm import shared_memory
 from mpistrategy.comm.topology import topology
 from mpistrategy.strategy.reducer import BucketLayoutError, GradientReducer, assign_buckets
 from mpistrategy.sync import HierarchicalSync, SyncContext

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpistrategy.comm.shm_allreduce import shared_memory
+from mpistrategy.comm.shm import shared_memory
 from mpistrategy.comm.topology import topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.mpi_ad import MPIADStrategy

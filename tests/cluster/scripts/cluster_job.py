@@ -22,7 +22,7 @@ from mpi4py import MPI
 from torch import nn
 
 from mpistrategy.aggregation import MeanAggregator
-from mpistrategy.comm.shm_allreduce import built_group
+from mpistrategy.comm.shm import built_group
 from mpistrategy.comm.shm_window import locate
 from mpistrategy.comm.topology import topology
 from mpistrategy.strategy.reducer import GradientReducer
