@@ -34,22 +34,22 @@ def chunk_lengths(plan: Plan) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("size", "step", "lengths", "summed_by_rank"),
+    ("size", "step", "lengths", "owners", "summed_by_rank"),
     [
-        (2, 262144, [262144, 262144, 262144, 5], [[0, 2], [1, 3]]),
-        (3, 262144, [262144, 262144, 262144, 5], [[0, 3], [1], [2]]),
-        (4, 196624, [196624, 196624, 196624, 196565], [[0], [1], [2], [3]]),
-        (5, 157296, [157296, 157296, 157296, 157296, 157253], [[0], [1], [2], [3], [4]]),
+        (2, 262144, [262144, 262144, 262144, 5], (0, 1, 0, 1), [[0, 2], [1, 3]]),
+        (3, 262144, [262144, 262144, 262144, 5], (0, 1, 2, 0), [[0, 3], [1], [2]]),
+        (4, 196624, [196624, 196624, 196624, 196565], (0, 1, 2, 3), [[0], [1], [2], [3]]),
+        (5, 157296, [157296, 157296, 157296, 157296, 157253], (0, 1, 2, 3, 4), [[0], [1], [2], [3], [4]]),
     ],
 )
 def test_each_chunk_of_a_large_odd_message_is_summed_by_rank_chunk_mod_p(
-    size: int, step: int, lengths: list[int], summed_by_rank: list[list[int]]
+    size: int, step: int, lengths: list[int], owners: tuple[int, ...], summed_by_rank: list[list[int]]
 ) -> None:
     for rank in range(size):
         plan = plan_of(ODD, size, rank)
         assert plan.summing is Summing.OWNERS
         assert (plan.step, plan.chunks, chunk_lengths(plan)) == (step, len(lengths), lengths)
-        assert plan.owners == tuple(chunk % size for chunk in range(len(lengths)))
+        assert plan.owners == owners
         assert list(plan.summed_here) == summed_by_rank[rank]
 
 

@@ -96,12 +96,12 @@ class SharedMemoryGroup:
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.flags = Flags(comm)
-        self.places = Places(world_ranks(comm))
-        self.protocol = CounterProtocol(self.flags, self.places)
-        self.staging = Staging(comm, self._before_staging_grows)
+        self._flags = Flags(comm)
+        self._places = Places(world_ranks(comm))
+        self._protocol = CounterProtocol(self._flags, self._places)
+        self._staging = Staging(comm, self._before_staging_grows)
         self.seq = 0
-        self.chunk_count = 0  # chunks of the operations started (what ARRIVED and REDUCED count)
+        self._chunk_count = 0  # chunks of the operations started (what ARRIVED and REDUCED count)
         self._check_rounds = 0  # argument checks posted
         self._deferred: tuple[int, Callable[[], NoReturn]] | None = None  # a posted check not yet compared
         self._done_by_all = 0  # every rank has published DONE of every operation up to this one
@@ -113,11 +113,11 @@ class SharedMemoryGroup:
         """Replace ``extremes`` (two int64) by their MAX over the ranks, through the flags. On a disagreement the
         group is first resynchronised (every rank gets here or to a failed comparison of a deferred check), then
         the caller reports."""
-        with self.protocol.lock:
+        with self._protocol.lock:
             self._compare_deferred_check()
             round_ = self._post_check(extremes)
-            self.protocol.wait_until(lambda: self.flags.all_reached(CHECKED, round_))
-            posted = self.flags.posted_values(round_)
+            self._protocol.wait_until(lambda: self._flags.all_reached(CHECKED, round_))
+            posted = self._flags.posted_values(round_)
             extremes[0] = max(first for first, _ in posted)
             extremes[1] = max(second for _, second in posted)
             if extremes[0] != -extremes[1]:
@@ -130,14 +130,14 @@ class SharedMemoryGroup:
         if extremes[0] < 0:
             self.exchange_check(extremes, disagreement)
             return
-        with self.protocol.lock:
+        with self._protocol.lock:
             self._compare_deferred_check()
             self._deferred = (self._post_check(extremes), disagreement)
 
     def _post_check(self, extremes: np.ndarray) -> int:
         """Post this rank's two check values in the next round; the round."""
         self._check_rounds += 1
-        self.flags.post_values(self._check_rounds, int(extremes[0]), int(extremes[1]))
+        self._flags.post_values(self._check_rounds, int(extremes[0]), int(extremes[1]))
         return self._check_rounds
 
     def _compare_deferred_check(self) -> None:
@@ -146,11 +146,11 @@ class SharedMemoryGroup:
         if self._deferred is None:
             return
         round_, disagreement = self._deferred
-        self.protocol.wait_until(lambda: self.flags.all_reached(CHECKED, round_))
+        self._protocol.wait_until(lambda: self._flags.all_reached(CHECKED, round_))
         self._deferred = None
-        if len(set(self.flags.posted_values(round_))) > 1:
+        if len(set(self._flags.posted_values(round_))) > 1:
             raise _ChecksDiffer(disagreement)
-        for operation in self.protocol.flight:
+        for operation in self._protocol.flight:
             if operation.phase is CHECKING:
                 operation.phase = RUNNING
 
@@ -160,13 +160,13 @@ class SharedMemoryGroup:
         self._deferred = None
         if cancelled is not None:
             with contextlib.suppress(ValueError):
-                self.protocol.flight.remove(cancelled)
-            self.staging.undo_last()
-        self.protocol.wait_until(lambda: not self.protocol.flight)
-        counts = np.array([self.seq, self.chunk_count], dtype=np.int64)
+                self._protocol.flight.remove(cancelled)
+            self._staging.undo_last()
+        self._protocol.wait_until(lambda: not self._protocol.flight)
+        counts = np.array([self.seq, self._chunk_count], dtype=np.int64)
         self.comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.MAX)
-        self.seq, self.chunk_count = int(counts[0]), int(counts[1])
-        self.flags.publish(DONE, self.seq)
+        self.seq, self._chunk_count = int(counts[0]), int(counts[1])
+        self._flags.publish(DONE, self.seq)
 
     # ------------------------------------------------------------------------------------------- operations
 
@@ -174,12 +174,12 @@ class SharedMemoryGroup:
         """Start an allreduce of ``tensor`` (``op`` sum or avg) into ``out`` (or a new tensor), completed by the
         returned work's ``wait``. A check deferred for it (:meth:`defer_check`) is compared once the input is
         copied in, before returning."""
-        with self.protocol.lock:
+        with self._protocol.lock:
             operation = self._open(tensor, op, out, blocking=False)
             if operation.plan.chunks:
-                self.protocol.advance()
-            self.flags.poke()
-            return SharedWork(self.protocol, operation)
+                self._protocol.advance()
+            self._flags.poke()
+            return SharedWork(self._protocol, operation)
 
     def allreduce(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None) -> torch.Tensor:
         """Blocking allreduce of ``tensor`` (``op`` sum or avg) into ``out`` (or a new tensor): the result.
@@ -187,13 +187,13 @@ class SharedMemoryGroup:
         The same plan and sums as :meth:`start`, in one straight pass with a single wait per step for all ranks
         (no per-chunk progress bookkeeping); every rank must call this one, or every rank :meth:`start`, for an
         operation (it is part of what the ranks describe to each other)."""
-        with self.protocol.lock:
-            if self.protocol.flight:  # earlier operations complete first, through the flags
-                self.protocol.wait_until(lambda: not self.protocol.flight)
+        with self._protocol.lock:
+            if self._protocol.flight:  # earlier operations complete first, through the flags
+                self._protocol.wait_until(lambda: not self._protocol.flight)
             operation = self._open(tensor, op, out, blocking=True)
             if operation.plan.chunks:
-                self.protocol.run(operation)
-            self.flags.poke()
+                self._protocol.run(operation)
+            self._flags.poke()
             operation.phase = COMPLETE
             result = operation.result()
             operation.release()
@@ -228,8 +228,8 @@ class SharedMemoryGroup:
         self.seq += 1
         seq = self.seq
         if seq > RING and not self._done_everywhere(seq - RING):  # its descriptor slot's last user
-            self.protocol.wait_until(lambda: self._done_everywhere(seq - RING))
-        window = self.places.window_of(tensor)
+            self._protocol.wait_until(lambda: self._done_everywhere(seq - RING))
+        window = self._places.window_of(tensor)
         source = WINDOW if window is not None else HOST if tensor.is_cpu else DEVICE
         in_place = out is tensor or (out is not None and same_memory(out, tensor))
         # the result tensor: out itself when reduced in place in a window, else where the sums can go
@@ -238,16 +238,16 @@ class SharedMemoryGroup:
         else:
             target = receive_buffer(out, tuple(tensor.shape), dtype, device)
         plan = plan_allreduce(numel, dtype.itemsize, self.size, self.rank, source, in_place, target.is_cpu)
-        operation = Operation(plan, blocking, scale, dtype, device, out, target, seq, self.chunk_count)
+        operation = Operation(plan, blocking, scale, dtype, device, out, target, seq, self._chunk_count)
         operation.next_sum, operation.waits_for_readers = plan.summed_here.start, plan.waits_for_readers
-        self.chunk_count += plan.chunks
-        staged_at, staging_busy_until = self.staging.reserve(seq, numel * dtype.itemsize)
+        self._chunk_count += plan.chunks
+        staged_at, staging_busy_until = self._staging.reserve(seq, numel * dtype.itemsize)
         input_at, result_at = self._lay_out(operation, window, staged_at)
         busy = staging_busy_until and not self._done_everywhere(staging_busy_until)
         if busy and (plan.copies_in or plan.sums_in_staging):
-            self.protocol.wait_until(lambda: self._done_everywhere(staging_busy_until))
+            self._protocol.wait_until(lambda: self._done_everywhere(staging_busy_until))
         code, in_place_sums = DTYPE_CODES.index(dtype), plan.results is OVER_INPUT
-        publish_descriptor(self.flags, seq, numel, code, input_at, result_at, blocking, in_place_sums)
+        publish_descriptor(self._flags, seq, numel, code, input_at, result_at, blocking, in_place_sums)
         return operation
 
     def _lay_out(
@@ -264,7 +264,7 @@ class SharedMemoryGroup:
             views.source = segment.chunks(segment.rank, offset, plan.numel, dtype, plan.step)
         else:
             input_at = staged_at
-            views.source = self.staging.chunks(staging_offset, plan.numel, dtype, plan.step)
+            views.source = self._staging.chunks(staging_offset, plan.numel, dtype, plan.step)
         views.own = views.source
         result_at = (-1, 0)
         if plan.results in (OVER_INPUT, WRITE_BACK):  # the result is the input, where it is
@@ -276,7 +276,7 @@ class SharedMemoryGroup:
             views.result, result_at = views.source, input_at
         elif plan.sums_in_staging:  # over this rank's staged input, or beside a window input that must stay
             staged = (
-                views.source if window is None else self.staging.chunks(staging_offset, plan.numel, dtype, plan.step)
+                views.source if window is None else self._staging.chunks(staging_offset, plan.numel, dtype, plan.step)
             )
             views.result, result_at = staged, staged_at
         return input_at, result_at
@@ -287,9 +287,9 @@ class SharedMemoryGroup:
         owner, a host tensor's own chunks are not copied: this rank sums them from the tensor itself."""
         plan, base = operation.plan, operation.base
         if not operation.blocking:
-            self.protocol.enqueue(operation)
+            self._protocol.enqueue(operation)
         if not plan.copies_in:
-            self.flags.publish(ARRIVED, base + plan.chunks)
+            self._flags.publish(ARRIVED, base + plan.chunks)
             return
         flat = split(tensor.detach().reshape(-1), plan.step)
         if plan.source is HOST:
@@ -298,18 +298,18 @@ class SharedMemoryGroup:
         for chunk in plan.staged:
             source[chunk].copy_(flat[chunk])
             if not operation.blocking:
-                self.flags.publish(ARRIVED, base + chunk + 1)
+                self._flags.publish(ARRIVED, base + chunk + 1)
         if operation.blocking or plan.staged[-1:] != (plan.chunks - 1,):  # the last chunk was not announced
-            self.flags.publish(ARRIVED, base + plan.chunks)
+            self._flags.publish(ARRIVED, base + plan.chunks)
 
     def _done_everywhere(self, seq: int) -> bool:
         """Whether every rank has completed operation ``seq`` (``DONE``; remembered, and asked for the latest
         operation, so that most calls look at no flag)."""
         if seq - self._done_by_all <= 0:
             return True
-        if self.flags.all_reached(DONE, self.seq - 1):
+        if self._flags.all_reached(DONE, self.seq - 1):
             self._done_by_all = self.seq - 1
-        elif self.flags.all_reached(DONE, seq):
+        elif self._flags.all_reached(DONE, seq):
             self._done_by_all = seq
         return seq - self._done_by_all <= 0
 
@@ -317,18 +317,18 @@ class SharedMemoryGroup:
         """Complete every operation before the one that grows staging, on every rank (growing is collective: only
         once every rank is known to grow here, after comparing a deferred check)."""
         self._compare_deferred_check()
-        self.protocol.wait_until(lambda: not self.protocol.flight)
-        self.protocol.wait_until(lambda: self.flags.all_reached(DONE, self.seq - 1))
-        self.places.forget_segments()
+        self._protocol.wait_until(lambda: not self._protocol.flight)
+        self._protocol.wait_until(lambda: self._flags.all_reached(DONE, self.seq - 1))
+        self._places.forget_segments()
 
     # ---------------------------------------------------------------------------------------------- closing
 
     def close(self) -> None:
         """Collective: complete what is in flight and free the flags and the staging segment."""
-        with self.protocol.lock:
-            self.protocol.wait_until(lambda: not self.protocol.flight)
-            self.protocol.wait_until(lambda: self.flags.all_reached(DONE, self.seq))
-            self.staging.free()
-            self.flags.close()
-            self.protocol.scratch.clear()
+        with self._protocol.lock:
+            self._protocol.wait_until(lambda: not self._protocol.flight)
+            self._protocol.wait_until(lambda: self._flags.all_reached(DONE, self.seq))
+            self._staging.free()
+            self._flags.close()
+            self._protocol.scratch.clear()
         self.comm.Free()

@@ -89,6 +89,11 @@ class CounterProtocol:
     Args:
         flags: the group's counters.
         places: where the group's ranks' tensors are.
+
+    Attributes:
+        flight: the non-blocking operations started and not complete, in order.
+        lock: held by every call that steps the group's operations (a rank may wait in several threads).
+        scratch: this rank's private scratch memory for the sums.
     """
 
     def __init__(self, flags: Flags, places: Places) -> None:
@@ -96,7 +101,7 @@ class CounterProtocol:
         self.rank, self.size = flags.rank, flags.size
         self.places = places
         self.scratch = Scratch()
-        self.flight: collections.deque[Operation] = collections.deque()  # the non-blocking ones, in order
+        self.flight: collections.deque[Operation] = collections.deque()
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------------------------------------ waiting
