@@ -258,7 +258,6 @@ class Watchdog:
                 self.comm.Abort(STALL_EXIT_CODE)
             _exit_process(STALL_EXIT_CODE)
 
-
     def _wait_until_written(self, states: dict[int, dict[str, Any]]) -> None:
         """Tell the ranks that answered that this rank's report is written, and wait (at most
         ``_ANSWER_SECONDS``) until each of them says the same: the first rank to exit makes the launcher end the
@@ -275,6 +274,7 @@ class Watchdog:
                 waiting.discard(status.Get_source())
             else:
                 time.sleep(0.01)
+
 
 def _call_state(call: calls.Call | None) -> dict[str, Any] | None:
     if call is None:
