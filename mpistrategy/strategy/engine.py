@@ -30,6 +30,8 @@ from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.failures import mark_raised_on_every_rank
 from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.strategy.sharding.options import configuration_problem
+from mpistrategy.strategy.sharding.training import ShardedTraining
 from mpistrategy.strategy.step_check import StepCheck
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 
@@ -59,6 +61,8 @@ class DataParallelEngine:
         own_bucket_mb: float = 1.0,
         node_transport: str = "mpi",
         traffic: TrafficCounter | None = None,
+        shard: str | None = None,
+        agree_on_overflow: bool = False,
     ) -> None:
         self.sync = sync
         self.aggregator = aggregator
@@ -73,6 +77,10 @@ class DataParallelEngine:
         self.module: nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.step_check = StepCheck()
+        self.shard = shard
+        self.agree_on_overflow = agree_on_overflow
+        self.sharding: ShardedTraining | None = None
+        self._sync_pass = False
 
     def setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Set the sync mode up and build the gradient buckets (collective). Configuration errors raise on every
@@ -85,9 +93,42 @@ class DataParallelEngine:
         except (SyncConfigurationError, ValueError, TypeError) as error:
             problem = error
         self._agree_on(problem, "setting up the sync mode")
+        self._agree_on(self._shard_problem(), "checking the shard option")
+        if self.shard is not None:
+            per_node = self.sync.name == "hierarchical"
+            self.sharding = ShardedTraining(self.shard, module, self.topology, per_node, self.agree_on_overflow)
         self.reducer = GradientReducer(
             module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
         )
+        for optimizer in optimizers:
+            self.add_optimizer(optimizer)
+
+    def _shard_problem(self) -> SyncConfigurationError | None:
+        """What stops this rank's ``shard`` option: ranks that disagree on it, or a configuration it cannot run."""
+        control = self.topology.control
+        everyone = control.allgather(self.shard) if control.Get_size() > 1 else [self.shard]
+        if len(set(everyone)) > 1:
+            listing = ", ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(everyone))
+            return SyncConfigurationError(
+                f"the ranks were given different shard options ({listing}); give every rank the same."
+            )
+        problem = configuration_problem(self.shard, self.sync.name, self.aggregator, self.topology.node_sizes)
+        return None if problem is None else SyncConfigurationError(problem)
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the engine's steps drive ``optimizer`` too (collective when the state is sharded: it is split)."""
+        if optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+        if self.sharding is not None:
+            self.sharding.add_optimizer(optimizer)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: Any) -> None:
+        """Make ``optimizer.zero_grad()`` (and its wrappers' ``aliases``) zero the gradients where the engine keeps
+        them (see :meth:`~mpistrategy.strategy.reducer.GradientReducer.attach_optimizer`)."""
+        if self.sharding is not None:
+            self.sharding.attach_optimizer(optimizer, self.reducer, *aliases)
+        elif self.reducer is not None:
+            self.reducer.attach_optimizer(optimizer, *aliases)
 
     def _agree_on(self, problem: BaseException | None, what: str) -> None:
         """Raise ``problem`` on its rank and a :class:`SyncConfigurationError` on the others, if any rank has one."""
@@ -105,6 +146,7 @@ class DataParallelEngine:
     def pre_backward(self, sync_gradients: bool) -> None:
         """Before each backward pass: ``sync_gradients`` is False inside gradient accumulation. Posts the check that
         every rank is at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
+        self._sync_pass = sync_gradients
         if self.reducer is not None:
             self.reducer.prepare(sync=sync_gradients)
             aggregator = self.reducer.aggregator
@@ -118,10 +160,15 @@ class DataParallelEngine:
             self.step_check.waiting()
             self.reducer.wait()
             self.step_check.end_sync()
+        if self.sharding is not None and self._sync_pass:
+            self.sharding.after_backward()
 
-    def after_optimizer_step(self) -> None:
-        """After the optimizer step: the sync mode's parameter work; the step's bytes go to
-        :attr:`last_step_traffic` (``(node, inter_node)`` bytes this rank sent in the step)."""
+    def after_optimizer_step(self, optimizer: Any = None) -> None:
+        """After ``optimizer``'s step (``None``: any): the allgather of its updated shards when sharded, the sync
+        mode's parameter work; the step's bytes go to :attr:`last_step_traffic` (``(node, inter_node)`` bytes this
+        rank sent in the step)."""
+        if self.sharding is not None:
+            self.sharding.after_step(optimizer)
         self.sync.after_optimizer_step()
         self.last_step_traffic = self.traffic.take()
 
@@ -214,3 +261,6 @@ class DataParallelEngine:
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+        if self.sharding is not None:
+            self.sharding.remove()
+            self.sharding = None

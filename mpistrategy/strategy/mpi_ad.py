@@ -52,6 +52,7 @@ from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.framework import LIGHTNING, framework
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.resumable import make_resumable
+from mpistrategy.strategy.sharding.training import ShardedTraining
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._sync_gradients = True
         self._layer_sync_applied: Any = None
         self._random_state_to_restore: random_state.RandomState | None = None
+        self._patched_plugin: Any = None
 
     @property
     def _fw(self):
@@ -145,9 +147,11 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self.setup_precision_plugin()
         if fitting:
             fw.optimizers_to_device(self.optimizers, self.root_device)
-            if self.reducer is not None:
+            if self._engine is not None:
                 for optimizer, wrapper in zip(self.optimizers, self._lightning_optimizers, strict=True):
-                    self.reducer.attach_optimizer(optimizer, wrapper)
+                    self._engine.attach_optimizer(optimizer, wrapper)
+                if self._engine.sharding is not None:
+                    self._clip_sharded_by_norm(self._engine.sharding)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -179,7 +183,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         """The optimizer step, then the sync mode's model averaging; logs the step's bytes."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self._engine is not None:
-            self._engine.after_optimizer_step()
+            self._engine.after_optimizer_step(optimizer)
             if self.log_traffic and self._writes_logs_this_step():
                 node, inter_node = self._engine.last_step_traffic
                 self.lightning_module.log_dict(
@@ -212,6 +216,22 @@ class MPIADStrategyMixin(MPIStrategyBase):
             yield None
         finally:
             self._sync_gradients = previous
+
+    def _clip_sharded_by_norm(self, sharding: ShardedTraining) -> None:
+        """Make the precision plugin clip a sharded optimizer's gradients by the norm of the whole gradient (its own
+        clipping would see only this rank's shard); the plugin gets its own method back at teardown."""
+        plugin = self.precision_plugin
+        own = plugin.clip_grad_by_norm
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            sharded = sharding.sharded(optimizer)
+            if sharded is None:
+                own(optimizer, clip_val)
+            else:
+                sharded.clip_grad_norm_(clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        self._patched_plugin = plugin
 
     @property
     def reducer(self) -> GradientReducer | None:
@@ -356,6 +376,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def teardown(self) -> None:
         self._random_state_to_restore = None
+        if self._patched_plugin is not None:
+            vars(self._patched_plugin).pop("clip_grad_by_norm", None)
+            self._patched_plugin = None
         if self._engine is not None:
             self._engine.teardown()
             self._engine = None

@@ -1,0 +1,54 @@
+"""The ranks that split one copy of the sharded state, and the ranks that hold the same shard elsewhere.
+
+Under ``flat`` sync every rank holds one shard of a single copy (``N`` = the world size). Under ``hierarchical``
+sync each node holds a copy split among its ``L`` ranks, so that the parameter allgather never leaves the node
+(ZeRO++'s hierarchical partitioning); the ranks with the same local rank on the other nodes (the topology's cross
+communicator) hold the same shard, and under ``shard="gradients"`` they average its gradients across nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from mpistrategy.comm.topology import Topology
+
+
+@dataclass
+class ShardGroup:
+    """Private communicators of the sharded state.
+
+    Attributes:
+        comm: the ranks that split one copy (their shard ``r`` is their rank in it).
+        cross: the ranks holding this rank's shard on every node (``None`` with one copy of the state).
+        world_size: every rank's count, ``P``: gradients are averaged over all of them.
+        writes_checkpoint: whether this rank saves its shard in checkpoints (the copy that rank 0 belongs to).
+    """
+
+    comm: MPI.Intracomm
+    cross: MPI.Intracomm | None
+    world_size: int
+    writes_checkpoint: bool
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+    def free(self) -> None:
+        """Free the communicators (collective over each)."""
+        for comm in (self.comm, self.cross):
+            if comm is not None:
+                comm.Free()
+
+
+def shard_group(topology: Topology, per_node: bool) -> ShardGroup:
+    """The group of ``topology``: one copy over all ranks, or (``per_node``) one copy per node (collective)."""
+    if not per_node:
+        return ShardGroup(topology.control.Dup(), None, topology.size, True)
+    cross = topology.cross_comm.Dup() if topology.num_nodes > 1 else None
+    return ShardGroup(topology.node_comm.Dup(), cross, topology.size, topology.node_rank == 0)
