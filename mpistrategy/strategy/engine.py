@@ -96,10 +96,13 @@ class DataParallelEngine:
         self._agree_on(self._shard_problem(), "checking the shard option")
         if self.shard is not None:
             per_node = self.sync.name == "hierarchical"
-            self.sharding = ShardedTraining(self.shard, module, self.topology, per_node, self.agree_on_overflow)
-        self.reducer = GradientReducer(
-            module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
-        )
+            self.sharding = ShardedTraining(
+                self.shard, module, self.topology, per_node, self.agree_on_overflow, self.bucket_cap_mb, self.traffic
+            )
+        if self.shard != "gradients":
+            self.reducer = GradientReducer(
+                module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
+            )
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
 
@@ -152,13 +155,20 @@ class DataParallelEngine:
             aggregator = self.reducer.aggregator
             span = None if aggregator is None or aggregator.context is None else aggregator.context.span
             self.step_check.begin_sync(None if span is None else span.comm)
+        elif self.sharding is not None and self.sharding.gradients is not None:
+            self.sharding.gradients.prepare(sync_gradients)
+            self.step_check.begin_sync(self.sharding.group.span if sync_gradients else None)
 
     def post_backward(self) -> None:
         """After each backward pass, before clipping and the optimizer step: finish the gradient buckets, and check
         that every rank was at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
-        if self.reducer is not None:
+        gradients = self.sharding.gradients if self.sharding is not None else None
+        if self.reducer is not None or gradients is not None:
             self.step_check.waiting()
-            self.reducer.wait()
+            if self.reducer is not None:
+                self.reducer.wait()
+            elif gradients is not None:
+                gradients.wait()
             self.step_check.end_sync()
         if self.sharding is not None and self._sync_pass:
             self.sharding.after_backward()

@@ -22,12 +22,14 @@ class ShardGroup:
     Attributes:
         comm: the ranks that split one copy (their shard ``r`` is their rank in it).
         cross: the ranks holding this rank's shard on every node (``None`` with one copy of the state).
+        span: every rank (whose gradients are averaged).
         world_size: every rank's count, ``P``: gradients are averaged over all of them.
         writes_checkpoint: whether this rank saves its shard in checkpoints (the copy that rank 0 belongs to).
     """
 
     comm: MPI.Intracomm
     cross: MPI.Intracomm | None
+    span: MPI.Intracomm
     world_size: int
     writes_checkpoint: bool
 
@@ -41,14 +43,14 @@ class ShardGroup:
 
     def free(self) -> None:
         """Free the communicators (collective over each)."""
-        for comm in (self.comm, self.cross):
-            if comm is not None:
-                comm.Free()
+        for comm in {id(c): c for c in (self.comm, self.cross, self.span) if c is not None}.values():
+            comm.Free()
 
 
 def shard_group(topology: Topology, per_node: bool) -> ShardGroup:
     """The group of ``topology``: one copy over all ranks, or (``per_node``) one copy per node (collective)."""
     if not per_node:
-        return ShardGroup(topology.control.Dup(), None, topology.size, True)
+        comm = topology.control.Dup()
+        return ShardGroup(comm, None, comm, topology.size, True)
     cross = topology.cross_comm.Dup() if topology.num_nodes > 1 else None
-    return ShardGroup(topology.node_comm.Dup(), cross, topology.size, topology.node_rank == 0)
+    return ShardGroup(topology.node_comm.Dup(), cross, topology.control.Dup(), topology.size, topology.node_rank == 0)

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from mpistrategy.comm.topology import Topology
+from mpistrategy.comm.traffic import INTER_NODE, TrafficCounter, scope_of
 from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.strategy.sharding.gradients import GradientShards
 from mpistrategy.strategy.sharding.group import ShardGroup, shard_group
 from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
 
@@ -47,17 +49,31 @@ class ShardedTraining:
         topology: ranks, nodes and communicators.
         per_node: one copy of the state per node (hierarchical sync), else one over all ranks.
         agree_on_overflow: make an overflow anywhere visible on every rank (for a ``GradScaler``).
+        bucket_cap_mb: under ``shard="gradients"``, the memory its gradient buckets may take together.
+        traffic: where the bytes sent are counted.
     """
 
     def __init__(
-        self, mode: str, module: nn.Module, topology: Topology, per_node: bool, agree_on_overflow: bool = False
+        self,
+        mode: str,
+        module: nn.Module,
+        topology: Topology,
+        per_node: bool,
+        agree_on_overflow: bool = False,
+        bucket_cap_mb: float = 25.0,
+        traffic: TrafficCounter | None = None,
     ) -> None:
         self.mode = mode
         self.module = module
         self.topology = topology
         self.agree_on_overflow = agree_on_overflow
+        self.traffic = traffic if traffic is not None else TrafficCounter()
         self.group: ShardGroup = shard_group(topology, per_node)
+        self.scope = scope_of(not per_node and topology.num_nodes > 1)
         self.optimizers: list[ShardedOptimizer] = []
+        self.gradients: GradientShards | None = None
+        if mode == "gradients":
+            self.gradients = GradientShards(self.group, bucket_cap_mb, self.traffic, self.scope == INTER_NODE)
         self._launch_order = list(reversed(list(module.parameters())))
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
@@ -68,6 +84,8 @@ class ShardedTraining:
         _check_not_shared(optimizer, self.optimizers)
         sharded = ShardedOptimizer(optimizer, self.group.comm, self._launch_order)
         self.optimizers.append(sharded)
+        if self.gradients is not None:
+            self.gradients.add(sharded)
         return sharded
 
     def sharded(self, optimizer: Any) -> ShardedOptimizer | None:
@@ -80,13 +98,15 @@ class ShardedTraining:
     ) -> None:
         """Make ``optimizer.zero_grad()`` (and its ``aliases``') zero the gradients of the parameters it steps."""
         sharded = self.add_optimizer(optimizer)
-        if reducer is not None:
+        if self.gradients is not None:
+            self.gradients.attach_optimizer(sharded, *aliases)
+        elif reducer is not None:
             reducer.attach_optimizer(ModelParameters(sharded.params), optimizer, *aliases)
 
     def after_backward(self) -> None:
         """After a synchronised backward pass: the pieces' gradients (see the module docstring)."""
         for sharded in self.optimizers:
-            if self.mode == "optimizer":
+            if self.gradients is None:
                 sharded.use_parameter_gradients()
             if self.agree_on_overflow:
                 sharded.agree_on_nonfinite()
@@ -95,9 +115,18 @@ class ShardedTraining:
         """After ``optimizer``'s step (``None``: every optimizer's): allgather its updated shards."""
         for sharded in self.optimizers if optimizer is None else _listed(self.sharded(optimizer)):
             sharded.after_step()
+            if self.group.size > 1:
+                self.traffic.add(self.scope, sum(space.shard.nbytes for space in sharded.spaces))
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The gradient memory held beside the parameters' ``.grad`` (the gradient shards and buckets)."""
+        return self.gradients.buffers() if self.gradients is not None else []
 
     def remove(self) -> None:
-        """Free the shard group's communicators (collective). The optimizers keep stepping their pieces."""
+        """Remove the gradient hooks and free the shard group's communicators (collective). The optimizers keep
+        stepping their pieces."""
+        if self.gradients is not None:
+            self.gradients.remove()
         self.group.free()
 
 
