@@ -30,6 +30,7 @@ from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.failures import mark_raised_on_every_rank
 from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.strategy.sharding.memory import MemoryReport, measure
 from mpistrategy.strategy.sharding.options import configuration_problem
 from mpistrategy.strategy.sharding.training import ShardedTraining
 from mpistrategy.strategy.step_check import StepCheck
@@ -146,9 +147,9 @@ class DataParallelEngine:
 
     # ---------------------------------------------------------------------------------------------- steps
 
-    def pre_backward(self, sync_gradients: bool) -> None:
-        """Before each backward pass: ``sync_gradients`` is False inside gradient accumulation. Posts the check that
-        every rank is at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
+    def pre_backward(self, sync_gradients: bool, loss: torch.Tensor | None = None) -> None:
+        """Before each backward pass (of ``loss``): ``sync_gradients`` is False inside gradient accumulation. Posts
+        the check that every rank is at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
         self._sync_pass = sync_gradients
         if self.reducer is not None:
             self.reducer.prepare(sync=sync_gradients)
@@ -156,7 +157,7 @@ class DataParallelEngine:
             span = None if aggregator is None or aggregator.context is None else aggregator.context.span
             self.step_check.begin_sync(None if span is None else span.comm)
         elif self.sharding is not None and self.sharding.gradients is not None:
-            self.sharding.gradients.prepare(sync_gradients)
+            self.sharding.gradients.prepare(sync_gradients, loss)
             self.step_check.begin_sync(self.sharding.group.span if sync_gradients else None)
 
     def post_backward(self) -> None:
@@ -181,6 +182,15 @@ class DataParallelEngine:
             self.sharding.after_step(optimizer)
         self.sync.after_optimizer_step()
         self.last_step_traffic = self.traffic.take()
+
+    def memory(self) -> MemoryReport:
+        """The bytes this rank holds for the model's parameters, gradients (the ``.grad`` and the gradient buckets
+        or shards) and optimizer state, measured from the tensors (see :mod:`~mpistrategy.strategy.sharding.memory`)."""
+        assert self.module is not None, "memory() is measured after setup"
+        buffers = [bucket.buffer for bucket in self.reducer.buckets] if self.reducer is not None else []
+        if self.sharding is not None:
+            buffers += self.sharding.gradient_buffers()
+        return measure(self.module, self.optimizers, buffers)
 
     def begin_epoch(self, epoch: int, steps: int | None, total_epochs: int | None) -> None:
         self.sync.begin_epoch(epoch, steps, total_epochs)

@@ -169,7 +169,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         for owner, engine in engines:
             if engine.sync.uses_loss and tensor.numel() == 1:
                 engine.record_loss(tensor)
-            engine.pre_backward(not self._backward_sync_control.skips(owner))
+            engine.pre_backward(not self._backward_sync_control.skips(owner), tensor)
         super().backward(tensor, module, *args, **kwargs)
         for _, engine in engines:
             engine.post_backward()

@@ -43,12 +43,20 @@ _MB = 1024 * 1024
 
 @dataclass
 class _Space:
-    """A space's gradient shard: ``fresh`` until a pass wrote it after ``zero_grad``."""
+    """A space's gradient shard (allocated when a gradient first reaches it, so that a frozen space takes no
+    memory): ``fresh`` until a pass wrote it after ``zero_grad``."""
 
     flat: FlatParameters
-    shard: torch.Tensor
+    held: torch.Tensor | None = None
     fresh: bool = True
     writing: bool = True  # this pass writes the shard (it was fresh when the pass began) instead of adding
+
+    @property
+    def shard(self) -> torch.Tensor:
+        if self.held is None:
+            flat = self.flat.flat
+            self.held = torch.zeros(self.flat.shard.numel(), dtype=flat.dtype, device=flat.device)
+        return self.held
 
 
 @dataclass
@@ -63,7 +71,8 @@ class _Bucket:
     numel: int
     counts: list[int]
     target: int
-    active: list[bool] = field(default_factory=list)
+    active: list[bool] = field(default_factory=list)  # its parameters that require a gradient
+    expected: list[bool] = field(default_factory=list)  # those this pass's graph reaches (their .grad are views)
     pending: int = 0
     staging: torch.Tensor | None = None
     views: list[torch.Tensor] = field(default_factory=list)
@@ -97,9 +106,11 @@ class GradientShards:
         self._local = np.zeros(0, dtype=np.uint8)  # 1: a gradient accumulated here since zero_grad or the last sync
         self._kept = np.zeros(0, dtype=np.uint8)  # 1: zeroed, not set to None, by zero_grad
         self._hooks: list[Any] = []
+        self._hooked: set[int] = set()  # the parameters with a hook (those that required a gradient at a pass)
         self._patched: list[tuple[Any, bool]] = []
         self._flags: tuple[bool, ...] = ()
         self._armed = self._sync = False
+        self._trace = True  # whether the next pass looks for the parameters its graph does not reach
         self._next = 0
         self._in_flight: list[_Bucket] = []
 
@@ -109,7 +120,7 @@ class GradientShards:
         """Reduce-scatter the gradients of ``sharded``'s parameters from now on."""
         self.optimizers.append(sharded)
         for flat in sharded.spaces:
-            space = _Space(flat, torch.zeros(flat.shard.numel(), dtype=flat.flat.dtype, device=flat.flat.device))
+            space = _Space(flat)
             self.spaces.append(space)
             cap = max(1, int(self.cap_bytes // flat.flat.element_size()))
             for span in bucket_ranges(flat.sizes, cap):
@@ -129,24 +140,39 @@ class GradientShards:
         for position, param in enumerate(params):
             self._where[id(param)] = (bucket, position)
             self._slot[id(param)] = len(self._slot)
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient))
         self.buckets.append(bucket)
 
     # ------------------------------------------------------------------------------------------------ backward
 
-    def prepare(self, sync: bool) -> None:
-        """Before a backward pass (``sync``: the pass ends an accumulation, the pieces get their gradients)."""
-        flags = tuple(p.requires_grad for b in self.buckets for p in b.params)
-        if flags != self._flags:
-            for bucket in self.buckets:
-                bucket.active = [p.requires_grad for p in bucket.params]
-            self._flags = flags
+    def prepare(self, sync: bool, loss: torch.Tensor | None = None) -> None:
+        """Before a backward pass (``sync``: the pass ends an accumulation, the pieces get their gradients) of
+        ``loss``: the parameters its graph does not reach get no gradient on this rank, so their buckets need not
+        wait for them (found from the graph after a pass in which some parameter got none; without ``loss``, a
+        bucket with such a parameter waits until the end of backward)."""
+        self._update_hooks()
+        reached = _reached(loss) if loss is not None and self._trace else None
         for bucket in self.buckets:
-            bucket.pending = bucket.active_count
+            bucket.expected = [
+                active and (reached is None or id(p) in reached)
+                for p, active in zip(bucket.params, bucket.active, strict=True)
+            ]
+            bucket.pending = sum(bucket.expected)
         for space in self.spaces:
             space.writing = space.fresh
         self._sync, self._armed, self._next, self._in_flight = sync, True, 0, []
         self._open_after(-1)
+
+    def _update_hooks(self) -> None:
+        """After ``requires_grad`` changed: which parameters are active, and hooks on those that train now."""
+        flags = tuple(p.requires_grad for b in self.buckets for p in b.params)
+        if flags != self._flags:
+            for bucket in self.buckets:
+                bucket.active = [p.requires_grad for p in bucket.params]
+                for param in bucket.params:
+                    if param.requires_grad and id(param) not in self._hooked:
+                        self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+                        self._hooked.add(id(param))
+            self._flags = flags
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if not self._armed:
@@ -163,6 +189,12 @@ class GradientShards:
         elif param.grad is not bucket.views[position]:
             bucket.views[position].copy_(param.grad)
             param.grad = bucket.views[position]
+        if not bucket.expected[position]:
+            raise RuntimeError(
+                f"parameter {position} of gradient bucket {bucket.index} got a gradient that the graph of the loss "
+                "did not lead to; under shard='gradients' every gradient of a backward pass must come from the "
+                "loss the strategy's backward was given."
+            )
         self._local[self._slot[id(param)]] = 1
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -179,8 +211,8 @@ class GradientShards:
             bucket.staging[offset : offset + p.numel()].view_as(p)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True)
         ]
-        for param, view, active in zip(bucket.params, bucket.views, bucket.active, strict=True):
-            if active:
+        for param, view, expected in zip(bucket.params, bucket.views, bucket.expected, strict=True):
+            if expected:
                 if param.grad is not None:
                     view.copy_(param.grad)
                 param.grad = view
@@ -208,8 +240,8 @@ class GradientShards:
         if bucket.staging is None:
             self._open(bucket)
         assert bucket.staging is not None
-        for param, active in zip(bucket.params, bucket.active, strict=True):
-            if active:
+        for param, expected in zip(bucket.params, bucket.expected, strict=True):
+            if expected:
                 param.grad = None
         bucket.wire = on_wire(bucket.staging, reduction_dtype(bucket.staging.dtype, "sum", "shard='gradients'"))
         if self.group.size > 1:
@@ -251,6 +283,8 @@ class GradientShards:
         if not self._armed:
             return
         self._armed = False
+        # look at the next pass's graph if some active parameter got no gradient in this one
+        self._trace = any(b.pending > 0 or sum(b.expected) < b.active_count for b in self.buckets)
         while self._next < len(self.buckets):
             self._post(self._next)
         self._complete_in_flight()
@@ -297,8 +331,8 @@ class GradientShards:
         """Empty ``sharded``'s gradient shards (see the module docstring)."""
         for space in self.spaces:
             if any(space.flat is flat for flat in sharded.spaces):
-                if not set_to_none:
-                    space.shard.zero_()
+                if not set_to_none and space.held is not None:
+                    space.held.zero_()
                 space.fresh = set_to_none
         for tensor, piece, space in self._pieces_of(sharded):
             slot = self._slot[id(space.flat.params[piece.index])]
@@ -312,7 +346,7 @@ class GradientShards:
 
     def buffers(self) -> list[torch.Tensor]:
         """The gradient memory it holds now: the shards and the buckets' buffers."""
-        held = [space.shard for space in self.spaces]
+        held = [space.held for space in self.spaces if space.held is not None]
         for bucket in self.buckets:
             held += [t for t in (bucket.staging, bucket.wire) if t is not None]
         return held
@@ -321,8 +355,25 @@ class GradientShards:
         """Remove the hooks and give the optimizers their own ``zero_grad`` back."""
         for handle in self._hooks:
             handle.remove()
-        self._hooks = []
+        self._hooks, self._hooked, self._flags = [], set(), ()
         for target, had_attribute in reversed(self._patched):
             if not had_attribute and "zero_grad" in vars(target):
                 del target.zero_grad
         self._patched = []
+
+
+def _reached(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors whose gradients backward from ``loss`` accumulates."""
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return found

@@ -41,14 +41,21 @@ class ShardGroup:
     def size(self) -> int:
         return self.comm.Get_size()
 
-    def free(self) -> None:
-        """Free the communicators (collective over each)."""
-        for comm in {id(c): c for c in (self.comm, self.cross, self.span) if c is not None}.values():
-            comm.Free()
+
+_groups: dict[tuple[int, bool], ShardGroup] = {}
 
 
 def shard_group(topology: Topology, per_node: bool) -> ShardGroup:
-    """The group of ``topology``: one copy over all ranks, or (``per_node``) one copy per node (collective)."""
+    """The group of ``topology``: one copy over all ranks, or (``per_node``) one copy per node. Built on first use
+    (collective: it duplicates communicators), then kept for the process's lifetime, as the topology's own
+    communicators are, so that a sharded optimizer can still be saved after training ended."""
+    key = (topology.control.py2f(), per_node)
+    if key not in _groups:
+        _groups[key] = _build(topology, per_node)
+    return _groups[key]
+
+
+def _build(topology: Topology, per_node: bool) -> ShardGroup:
     if not per_node:
         comm = topology.control.Dup()
         return ShardGroup(comm, None, comm, topology.size, True)

@@ -59,7 +59,7 @@ class ShardedOptimizer:
         self._group_ranges: list[tuple[int, int]] = []
         self._shard_groups()
         if existing is not None:
-            self.load(existing["param_groups"], lambda index, start, stop: self._piece_of(existing, index, start, stop))
+            self.load_plain(existing)
 
     def _shard_groups(self) -> None:
         """Replace each group's parameters by their pieces in this shard (group order, then element order)."""
@@ -135,13 +135,15 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------------------------------------ step
 
-    def after_step(self) -> None:
-        """After the optimizer step: allgather every space's shards (collective over the shard group); the pieces'
-        gradients are dropped."""
+    def after_step(self) -> int:
+        """After the optimizer step: allgather every space's shards (collective over the shard group); returns the
+        bytes this rank sent."""
+        sent = 0
         for space in self.spaces:
-            space.allgather()
-        for tensor in self.pieces:
-            tensor.grad = None
+            if any(param.requires_grad for param in space.params):  # a frozen space did not change
+                space.allgather()
+                sent += space.shard.nbytes
+        return sent
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -180,16 +182,26 @@ class ShardedOptimizer:
         ]
         self.optimizer.load_state_dict({"state": states, "param_groups": groups})
 
-    def _piece_of(self, plain: dict[str, Any], index: int, start: int, stop: int) -> dict[str, Any]:
-        """A piece's state from a torch optimizer state dict over the original parameters."""
-        return state_rules.piece_of(plain["state"].get(index, {}), self.shapes[index], start, stop)
+    def load_plain(self, plain: dict[str, Any]) -> None:
+        """Load a plain ``state_dict()`` of the unsharded optimizer (over the original parameters)."""
+        if len(plain.get("state", {})) and max(plain["state"]) >= len(self.params):
+            raise ValueError(
+                f"the optimizer state holds parameter {max(plain['state'])}, but this optimizer steps "
+                f"{len(self.params)} parameters: the model or the optimizer's parameter groups differ."
+            )
+        state = plain.get("state", {})
+        self.load(
+            plain["param_groups"],
+            lambda index, start, stop: state_rules.piece_of(state.get(index, {}), self.shapes[index], start, stop),
+        )
 
 
 def _spaces(params: Sequence[nn.Parameter], launch_order: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """``params`` split by dtype and device, each in launch order (then the others in optimizer order)."""
+    """``params`` split by dtype, device and whether they train now (frozen parameters form spaces of their own, so
+    that the trainable ones are split evenly), each in launch order (then the others in optimizer order)."""
     position = {id(p): i for i, p in enumerate(launch_order)}
     ordered = sorted(params, key=lambda p: position.get(id(p), len(position)))
-    spaces: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    spaces: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
     for param in ordered:
-        spaces.setdefault((param.dtype, param.device), []).append(param)
-    return list(spaces.values())
+        spaces.setdefault((param.dtype, param.device, not param.requires_grad), []).append(param)
+    return [spaces[key] for key in sorted(spaces, key=lambda key: key[2])]

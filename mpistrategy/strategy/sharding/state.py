@@ -80,6 +80,16 @@ def whole(saved: Sequence[SavedPiece], shape: Sequence[int], what: str) -> dict[
     }
 
 
+def whole_states(saved: dict[int, list[SavedPiece]], shapes: Sequence[Sequence[int]]) -> dict[int, dict[str, Any]]:
+    """The unsharded state of every parameter (``shapes`` by index) that has one, from the saved pieces by index."""
+    states = {}
+    for index, shape in enumerate(shapes):
+        state = whole(saved.get(index, []), shape, f"parameter {index}")
+        if state:
+            states[index] = state
+    return states
+
+
 def _cut(piece: SavedPiece, key: str, start: int, stop: int, what: str) -> torch.Tensor:
     value = piece.state.get(key)
     numel = piece.stop - piece.start

@@ -114,20 +114,19 @@ class ShardedTraining:
     def after_step(self, optimizer: Any = None) -> None:
         """After ``optimizer``'s step (``None``: every optimizer's): allgather its updated shards."""
         for sharded in self.optimizers if optimizer is None else _listed(self.sharded(optimizer)):
-            sharded.after_step()
+            sent = sharded.after_step()
             if self.group.size > 1:
-                self.traffic.add(self.scope, sum(space.shard.nbytes for space in sharded.spaces))
+                self.traffic.add(self.scope, sent)
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The gradient memory held beside the parameters' ``.grad`` (the gradient shards and buckets)."""
         return self.gradients.buffers() if self.gradients is not None else []
 
     def remove(self) -> None:
-        """Remove the gradient hooks and free the shard group's communicators (collective). The optimizers keep
-        stepping their pieces."""
+        """Remove the gradient hooks and give the optimizers their ``zero_grad`` back. The optimizers keep their
+        pieces (and can still be saved: see :mod:`~mpistrategy.strategy.sharding.checkpoint`)."""
         if self.gradients is not None:
             self.gradients.remove()
-        self.group.free()
 
 
 def _listed(sharded: ShardedOptimizer | None) -> Iterable[ShardedOptimizer]:
