@@ -3,6 +3,7 @@ parameter groups, and what a run of it leaves behind: parameters, optimizer stat
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +99,7 @@ def fit(shard: str | None, sync: str = "flat", steps: int = 20, accumulate: int 
     optimizer = fit.optimizers[0]
     sharding = strategy._sharding
     if sharding is None:
-        state = optimizer.state_dict() if RANK == 0 else None
+        state = copy.deepcopy(optimizer.state_dict()) if RANK == 0 else None
     else:
         state = consolidated_state(sharding.sharded(optimizer), sharding.group.comm)
     shards = 1 if sharding is None else sharding.group.size
