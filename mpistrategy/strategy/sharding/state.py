@@ -34,6 +34,10 @@ class SavedPiece:
     stop: int
     state: dict[str, Any]
 
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
 
 def is_elementwise(key: str, value: Any, shape: Sequence[int]) -> bool:
     """Whether ``value`` holds one value per element of a tensor of ``shape`` (a parameter or a piece)."""
@@ -58,9 +62,11 @@ def assemble(saved: Sequence[SavedPiece], start: int, stop: int, what: str) -> d
         return {}
     _check_coverage(covering, start, stop, what)
     first = covering[0]
+    if len(covering) == 1 and (first.start, first.stop) == (start, stop):  # the same piece: any state as it is
+        return {key: _copy(value) for key, value in first.state.items()}
     result: dict[str, Any] = {}
     for key, value in first.state.items():
-        if is_elementwise(key, value, (first.stop - first.start,)):
+        if key != STEP and isinstance(value, torch.Tensor) and value.dim() > 0:  # must be elementwise to be cut
             parts = [_cut(piece, key, start, stop, what) for piece in covering]
             result[key] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         else:
@@ -92,8 +98,7 @@ def whole_states(saved: dict[int, list[SavedPiece]], shapes: Sequence[Sequence[i
 
 def _cut(piece: SavedPiece, key: str, start: int, stop: int, what: str) -> torch.Tensor:
     value = piece.state.get(key)
-    numel = piece.stop - piece.start
-    if not is_elementwise(key, value, (numel,)):
+    if not is_elementwise(key, value, (piece.numel,)):
         raise ValueError(
             f"the optimizer state {key!r} of {what} is not one value per element in every piece (elements "
             f"{piece.start}-{piece.stop} hold {_describe(value)}), so it cannot be re-sharded; resume with the "
