@@ -36,6 +36,7 @@ from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy import conventions, failures, sync
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.environment import MPIEnvironment
+from mpistrategy.strategy.sharding.options import check_shard
 from mpistrategy.sync import SyncMode, build_sync
 from mpistrategy.sync.transport import NODE_TRANSPORTS
 
@@ -86,6 +87,11 @@ class MPIStrategyBase:
             ``MPISTRATEGY_STALL_ACTION``, default ``"abort"``.
         flight_dir: where each rank writes its flight record (its last collectives) on a stall, an abort or a
             signal; ``None``: ``MPISTRATEGY_FLIGHT_DIR``, default ``./mpistrategy_flight``.
+        shard: split the optimizer state over the ranks (ZeRO, see :mod:`mpistrategy.strategy.sharding`):
+            ``"optimizer"`` (stage 1: each rank keeps and steps ``1/N`` of the optimizer state, the updated
+            parameters are allgathered), ``"gradients"`` (stage 2: also the averaged gradients are kept only for
+            the rank's shard: gradient buckets are reduce-scattered) or ``None`` (every rank keeps everything).
+            Under ``sync="hierarchical"`` the ranks of each node split one copy.
     """
 
     if TYPE_CHECKING:  # provided by the Lightning strategy this class is mixed into
@@ -119,6 +125,7 @@ class MPIStrategyBase:
         stall_timeout: float | None = None,
         stall_action: str | None = None,
         flight_dir: str | None = None,
+        shard: str | None = None,
     ) -> None:
         if stall_timeout is not None or stall_action is not None:
             watchdog.set_stall_timeout(
@@ -140,6 +147,7 @@ class MPIStrategyBase:
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.own_bucket_mb = own_bucket_mb
         self.data_parallel = data_parallel
+        self.shard = shard
         self.abort_on_exception = abort_on_exception
         self.set_num_threads = set_num_threads
         self._stop_signal_numbers = tuple(stop_signals)
@@ -148,6 +156,7 @@ class MPIStrategyBase:
         if self.abort_on_exception and self.world_size > 1:
             failures.install_excepthook()
             failures.report_os_exit()
+        check_shard(shard, data_parallel)  # after the hook: a value wrong on one rank only ends every rank
 
     # --------------------------------------------------------------------------------------------- ranks
 
@@ -247,9 +256,16 @@ class MPIStrategyBase:
             self.own_bucket_mb,
             self.node_transport,
             self._traffic,
+            self.shard,
+            self._uses_grad_scaler(),
         )
         engine.setup(module, optimizers)
         return engine
+
+    def _uses_grad_scaler(self) -> bool:
+        """Whether the precision plugin checks gradients for overflow (a ``GradScaler``, float16 mixed precision)."""
+        plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)
+        return getattr(plugin, "scaler", None) is not None
 
     def broadcast_module_state(self, module: nn.Module) -> None:
         """Give ``module`` rank 0's parameters and buffers (collective; nothing without data parallelism)."""
