@@ -186,7 +186,7 @@ class GradientShards:
             )
         if bucket.staging is None:
             self._open(bucket)
-        elif param.grad is not bucket.views[position]:
+        elif param.grad is not None and param.grad is not bucket.views[position]:
             bucket.views[position].copy_(param.grad)
             param.grad = bucket.views[position]
         if not bucket.expected[position]:

@@ -17,7 +17,7 @@ treats a sharded optimizer as one over the model's parameters (:meth:`ShardedTra
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -101,7 +101,8 @@ class ShardedTraining:
         if self.gradients is not None:
             self.gradients.attach_optimizer(sharded, *aliases)
         elif reducer is not None:
-            reducer.attach_optimizer(ModelParameters(sharded.params), optimizer, *aliases)
+            # duck-typed: the reducer reads ``param_groups`` and replaces ``zero_grad``
+            reducer.attach_optimizer(cast(torch.optim.Optimizer, ModelParameters(sharded.params)), optimizer, *aliases)
 
     def after_backward(self) -> None:
         """After a synchronised backward pass: the pieces' gradients (see the module docstring)."""
