@@ -119,7 +119,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds kept (after one warm-up round)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 6 steps, 2 dropped")
-    parser.add_argument("--results", type=Path, help="where to write gpu.json and gpu.png (on CUDA: %(default)s)")
+    parser.add_argument(
+        "--results", type=Path, help="where to write gpu.json and gpu.png (on CUDA by default benchmarks/results)"
+    )
     parser.add_argument("--part", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -144,10 +146,8 @@ def _rank_counts(text: str) -> list[int]:
 
 def _problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with the arguments, each with its fix."""
-    import torch
-
     problems = []
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not _cuda_available():
         problems.append("--device cuda: this torch sees no CUDA device (run on a GPU machine, or --device cpu)")
     if args.device == "cpu" and args.results is None:
         problems.append("--device cpu: give --results DIR (benchmarks/results holds GPU figures only)")
@@ -160,6 +160,12 @@ def _problems(args: argparse.Namespace) -> list[str]:
     if not 0 <= args.warmup < args.steps:
         problems.append(f"--warmup {args.warmup} must be at least 0 and less than --steps {args.steps}")
     return problems
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # --------------------------------------------------------------------------------------------- one MPI job

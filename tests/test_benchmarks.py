@@ -7,6 +7,7 @@ op, mode and size, and that the outputs a reader looks at (the summary, the JSON
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,36 @@ def test_strategy_benchmark_times_every_contender(tmp_path: Path) -> None:
     assert "mpi_ad / ddp" in output and "mpi_ad / hand" in output and "lightning_local / ddp" in output
     assert 0 < payload["lightning_local_vs_ddp"] and 0 < payload["local_vs_hand"]
     assert (tmp_path / "strategy.png").stat().st_size > 10_000
+
+
+def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios(tmp_path: Path) -> None:
+    """The GPU benchmark's code with the CPU standing in for the GPU, on a 14,058-parameter encoder; a CPU run
+    without a results directory is refused (it must never replace GPU figures)."""
+    tiny = ("--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "8", "--batch", "4")
+    output = _run("gpu.py", tmp_path, *tiny)
+    payload = json.loads((tmp_path / "gpu.json").read_text())
+    assert payload["device"] == "cpu" and payload["model"]["parameters"] == 14_058 and set(payload["runs"]) == {"2"}
+    run = payload["runs"]["2"]
+    contenders = {"mpi_ad", "ddp", "hand", "local", "lightning_local"}
+    assert run["ranks"] == 2 and run["ddp_backend"] == "gloo" and run["memory"] is None
+    assert len(run["rounds"]) == 2 and all(set(r) == contenders for r in run["rounds"])
+    assert set(run["median_ms_per_step"]) == contenders and all(v > 0 for v in run["median_ms_per_step"].values())
+    assert set(run["ratios"]) == {
+        "mpi_ad/hand",
+        "mpi_ad/ddp",
+        "mpi_ad/lightning_local",
+        "lightning_local/ddp",
+        "local/hand",
+    }
+    values = [value for ratio in run["ratios"].values() for value in ratio.values()]
+    assert all(math.isfinite(value) and value > 0 for value in values), run["ratios"]
+    assert set(run["hand_phases_ms"]) == {"device_to_host", "mpi", "host_to_device"}
+    assert all(math.isfinite(value) and value >= 0 for value in run["hand_phases_ms"].values())
+    assert run["hidden"] is None or math.isfinite(run["hidden"])
+    assert "mpi_ad/hand" in output and "target <= 0.75" in output and "hidden by mpi_ad" in output
+    assert (tmp_path / "gpu.png").stat().st_size > 10_000
+
+    refused = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu"], capture_output=True, text=True, check=False
+    )
+    assert refused.returncode == 2 and "--device cpu: give --results DIR" in refused.stderr
