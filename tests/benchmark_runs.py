@@ -19,11 +19,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_CHANNELS = {0: 1, 2: 3, 4: 2, 6: 4}
 
 
-def run_benchmark(script: str, results: Path, timeout: float = 600) -> str:
-    """Run ``benchmarks/<script> --quick --results <results>`` under ``mpiexec -n 2``; return its stdout."""
+def run_benchmark(script: str, results: Path, *args: str, timeout: float = 600) -> str:
+    """Run ``benchmarks/<script> --quick --results <results> *args`` under ``mpiexec -n 2``; return its stdout."""
     command = [*mpiexec_command(), "-n", "2", sys.executable, str(BENCHMARKS / script)]
     done = subprocess.run(
-        [*command, "--quick", "--results", str(results)],
+        [*command, "--quick", "--results", str(results), *args],
         env=clean_environ(),
         capture_output=True,
         text=True,

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.benchmark_runs import assert_count, assert_finite, assert_positive, png_size, run_benchmark
+from tests.benchmark_runs import BENCHMARKS, assert_count, assert_finite, assert_positive, png_size, run_benchmark
 
 SIZES = (1 << 10, 1 << 20, 1 << 24)
 OPS = ("allreduce", "broadcast", "allgather")
@@ -113,3 +115,37 @@ def test_strategy_benchmark_times_every_contender(tmp_path: Path) -> None:
     assert "mpi_ad / ddp" in output and "mpi_ad / hand" in output and "lightning_local / ddp" in output
     width, height = png_size(tmp_path / "strategy.png")
     assert width > height >= 300, (width, height)  # one wide box plot
+
+
+def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios(tmp_path: Path) -> None:
+    """The GPU benchmark's code with the CPU standing in for the GPU, on a 14,058-parameter encoder; a CPU run
+    without a results directory is refused (it must never replace GPU figures)."""
+    tiny = ("--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "8", "--batch", "4")
+    output = run_benchmark("gpu.py", tmp_path, *tiny)
+    payload = json.loads((tmp_path / "gpu.json").read_text())
+    assert payload["device"] == "cpu" and payload["model"]["parameters"] == 14_058 and set(payload["runs"]) == {"2"}
+    run = payload["runs"]["2"]
+    contenders = {"mpi_ad", "ddp", "hand", "local", "lightning_local"}
+    assert run["ranks"] == 2 and run["ddp_backend"] == "gloo" and run["memory"] is None
+    assert len(run["rounds"]) == 2 and all(set(r) == contenders for r in run["rounds"])
+    assert set(run["median_ms_per_step"]) == contenders and all(v > 0 for v in run["median_ms_per_step"].values())
+    assert set(run["ratios"]) == {
+        "mpi_ad/hand",
+        "mpi_ad/ddp",
+        "mpi_ad/lightning_local",
+        "lightning_local/ddp",
+        "local/hand",
+    }
+    values = [value for ratio in run["ratios"].values() for value in ratio.values()]
+    assert all(math.isfinite(value) and value > 0 for value in values), run["ratios"]
+    assert set(run["hand_phases_ms"]) == {"device_to_host", "mpi", "host_to_device"}
+    assert all(math.isfinite(value) and value >= 0 for value in run["hand_phases_ms"].values())
+    assert run["hidden"] is None or math.isfinite(run["hidden"])
+    assert "mpi_ad/hand" in output and "target <= 0.75" in output and "hidden by mpi_ad" in output
+    width, height = png_size(tmp_path / "gpu.png")
+    assert width >= 300 and height >= 300, (width, height)
+
+    refused = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu"], capture_output=True, text=True, check=False
+    )
+    assert refused.returncode == 2 and "--device cpu: give --results DIR" in refused.stderr
