@@ -2,16 +2,19 @@
 
 Per backward pass (between :meth:`GradientReducer.prepare` and :meth:`GradientReducer.wait`):
 
-- The optimizers' ``zero_grad`` (:meth:`GradientReducer.attach_optimizer`, :mod:`.zero_grad`) zero the flat
-  buckets in place, so ``.grad`` stay views and autograd accumulates into them in place. Whenever ``.grad`` is not
-  the bucket view all the same (the first step, a large gradient copied into shared memory, or
-  ``zero_grad(set_to_none=True)`` called on the module), the ``register_post_accumulate_grad_hook`` copies it into
-  the view once and re-points ``.grad``; an own-gradient bucket instead adopts the new ``.grad`` as its buffer.
+- The optimizers' ``zero_grad`` (:meth:`GradientReducer.attach_optimizer`,
+  :mod:`~mpistrategy.strategy.reducer.zero_grad`) zero the flat buckets in place, so ``.grad`` stay views and
+  autograd accumulates into them in place. Whenever ``.grad`` is not the bucket view all the same (the first step, a
+  large gradient copied into shared memory, or ``zero_grad(set_to_none=True)`` called on the module), the
+  ``register_post_accumulate_grad_hook`` copies it into the view once and re-points ``.grad``; an own-gradient
+  bucket instead adopts the new ``.grad`` as its buffer.
 - That hook also counts: when a bucket's last gradient lands, the bucket is handed to the
-  :class:`~mpistrategy.aggregation.Aggregator` (non-blocking), in index order on every rank (:mod:`.launch`).
-- Which parameters got a gradient on *some* rank is exchanged once per synchronised pass (:mod:`.usage`). A rank
-  posts it when its last bucket starts (during backward, in the common case that it used every parameter; it then
-  needs no answer, and completes the exchange at its next one) or else in :meth:`~GradientReducer.wait`.
+  :class:`~mpistrategy.aggregation.Aggregator` (non-blocking), in index order on every rank
+  (:mod:`~mpistrategy.strategy.reducer.launch`).
+- Which parameters got a gradient on *some* rank is exchanged once per synchronised pass
+  (:mod:`~mpistrategy.strategy.reducer.usage`). A rank posts it when its last bucket starts (during backward, in the
+  common case that it used every parameter; it then needs no answer, and completes the exchange at its next one) or
+  else in :meth:`~GradientReducer.wait`.
 - :meth:`~GradientReducer.wait` (Lightning's ``post_backward``, before clipping and the optimizer step) finishes
   the buckets. A rank with buckets left (parameters it did not use) waits for that exchange first; then it starts
   every bucket left in which some rank has a gradient, with a zero contribution for its own unused parameters
@@ -324,8 +327,9 @@ class GradientReducer:
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: Any) -> None:
         """Make ``optimizer.zero_grad()`` zero the flat buckets in place instead of setting the gradients to
-        ``None`` (see :mod:`.zero_grad`). ``aliases`` are wrappers that must behave the same (Lightning's
-        ``LightningOptimizer`` resolves ``zero_grad`` on its class, not on the wrapped object).
+        ``None`` (see :mod:`~mpistrategy.strategy.reducer.zero_grad`). ``aliases`` are wrappers that must behave
+        the same (Lightning's ``LightningOptimizer`` resolves ``zero_grad`` on its class, not on the wrapped
+        object).
 
         ``set_to_none`` is honoured all the same where it is observable: a parameter that no rank gives a gradient
         before the next :meth:`wait` ends it with ``.grad`` ``None`` (or zero with ``set_to_none=False``), as in

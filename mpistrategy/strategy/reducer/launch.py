@@ -84,7 +84,9 @@ class InOrderStarts:
 
     def _progress(self) -> None:
         """Let the first bucket in flight advance (MPI progresses non-blocking collectives inside MPI calls)."""
-        for work in self._works[: self._next]:
+        works = self._works
+        for index in range(self._next):
+            work = works[index]
             if work is not None:
                 work.test()
                 return
