@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as L
 import torch
-from _launch import shared_port
+from _launch import QUIET_TRAINER, shared_port
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from mpi4py import MPI
@@ -169,17 +169,9 @@ def trainer_run(kind: str, workload: Workload, ddp_backend: str) -> Run:
 
     def run(steps: int) -> dict[str, list[float]]:
         timer = StepTimer(workload)
-        options = dict(
-            accelerator="gpu" if on_cuda else "cpu",
-            precision=workload.precision,
-            max_steps=steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-            callbacks=[timer],
-        )
+        accelerator = "gpu" if on_cuda else "cpu"
+        options = dict(accelerator=accelerator, precision=workload.precision, max_steps=steps, callbacks=[timer])
+        options.update(QUIET_TRAINER)
         if kind == "mpi_ad":
             trainer = L.Trainer(strategy="mpi_ad", **options)
         elif kind == "ddp":
@@ -262,8 +254,8 @@ def plain_run(workload: Workload, make_sync: Callable[[nn.Module], Sync]) -> Run
 
 
 def no_sync(model: nn.Module) -> Sync:
-    """The floor: every rank trains alone."""
-    return dict
+    """The floor: every rank trains alone (no synchronisation, no phases)."""
+    return lambda: {}
 
 
 def staged_allreduce(workload: Workload) -> Callable[[nn.Module], Sync]:

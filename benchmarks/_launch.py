@@ -15,6 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Trainer options of every benchmark run: no logger, progress bar, summary, checkpoint or sanity check
+QUIET_TRAINER = dict(
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+    num_sanity_val_steps=0,
+)
 
 
 def ensure_mpi(ranks: int) -> None:

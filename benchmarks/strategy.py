@@ -44,7 +44,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, ensure_mpi, paired_range, save, shared_port  # noqa: E402
+from _launch import QUIET_TRAINER, RESULTS, ensure_mpi, paired_range, save, shared_port  # noqa: E402
 
 TARGET_VS_DDP = 0.8
 TARGET_VS_HAND = 1.05
@@ -246,16 +246,7 @@ def _trainer_run(kind: str):
 
     def run(steps: int) -> list[float]:
         timer = StepTimer()
-        options = dict(
-            accelerator="cpu",
-            max_steps=steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-            callbacks=[timer],
-        )
+        options = dict(accelerator="cpu", max_steps=steps, callbacks=[timer], **QUIET_TRAINER)
         if kind == "ddp":
             _lightning_environment(MPI.COMM_WORLD)
             strategy = DDPStrategy(process_group_backend="gloo")
