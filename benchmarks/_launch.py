@@ -23,6 +23,12 @@ def ensure_mpi(ranks: int) -> None:
 
     if MPI.COMM_WORLD.Get_size() == ranks or os.environ.get("MPISTRATEGY_BENCH_CHILD"):
         return
+    sys.exit(run_under_mpi(ranks))
+
+
+def run_under_mpi(ranks: int, *extra_args: str) -> int:
+    """Run this script again as an MPI job of ``ranks`` processes (with ``extra_args`` after its own arguments and
+    ``MPISTRATEGY_BENCH_CHILD=1`` in its environment); return the job's exit code."""
     from mpistrategy.launch import mpiexec_command, without_launcher_variables
 
     command = mpiexec_command()
@@ -30,8 +36,7 @@ def ensure_mpi(ranks: int) -> None:
         sys.exit(f"{command[0]} not found: install the MPICH wheel (pip install mpich) or a system MPI.")
     env = without_launcher_variables(os.environ)
     env["MPISTRATEGY_BENCH_CHILD"] = "1"
-    code = subprocess.call([*command, "-n", str(ranks), sys.executable, *sys.argv], env=env)
-    sys.exit(code)
+    return subprocess.call([*command, "-n", str(ranks), sys.executable, *sys.argv, *extra_args], env=env)
 
 
 def init_gloo() -> None:
@@ -40,13 +45,18 @@ def init_gloo() -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    port = shared_port(comm)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+
+
+def shared_port(comm) -> int:
+    """A free TCP port on 127.0.0.1, picked by rank 0 of ``comm`` and known to every rank (collective)."""
     port = None
     if comm.rank == 0:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    return comm.bcast(port, root=0)
 
 
 def time_interleaved(
@@ -83,6 +93,13 @@ def paired_ratios(samples: dict[str, list[float]], name: str, reference: str) ->
 def paired_ratio(samples: dict[str, list[float]], name: str, reference: str) -> float:
     """The median of :func:`paired_ratios`."""
     return statistics.median(paired_ratios(samples, name, reference))
+
+
+def paired_range(rounds: list[dict[str, float]], name: str, reference: str) -> tuple[float, float, float]:
+    """Median, min and max over rounds of ``name``'s time divided by ``reference``'s in the same round (``rounds``:
+    one ``{contender: time}`` per round)."""
+    ratios = paired_ratios({n: [r[n] for r in rounds] for n in (name, reference)}, name, reference)
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def save(name: str, payload: dict, directory: Path = RESULTS) -> Path:

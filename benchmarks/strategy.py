@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -45,7 +44,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, ensure_mpi, paired_ratios, save  # noqa: E402
+from _launch import RESULTS, ensure_mpi, paired_range, save, shared_port  # noqa: E402
 
 TARGET_VS_DDP = 0.8
 TARGET_VS_HAND = 1.05
@@ -101,13 +100,13 @@ def main() -> None:
         return
 
     medians = {name: statistics.median(r[name] for r in rounds) for name in contenders}
-    ratio_ddp = _paired(rounds, "mpi_ad", "ddp")
-    ratio_hand = _paired(rounds, "mpi_ad", "hand")
-    ratio_cat = _paired(rounds, "mpi_ad", "hand_cat")
-    ratio_reducer = _paired(rounds, "reducer", "hand")
-    ratio_trainer = _paired(rounds, "mpi_ad", "reducer")
-    floor_ddp = _paired(rounds, "lightning_local", "ddp")
-    floor_hand = _paired(rounds, "local", "hand")
+    ratio_ddp = paired_range(rounds, "mpi_ad", "ddp")
+    ratio_hand = paired_range(rounds, "mpi_ad", "hand")
+    ratio_cat = paired_range(rounds, "mpi_ad", "hand_cat")
+    ratio_reducer = paired_range(rounds, "reducer", "hand")
+    ratio_trainer = paired_range(rounds, "mpi_ad", "reducer")
+    floor_ddp = paired_range(rounds, "lightning_local", "ddp")
+    floor_hand = paired_range(rounds, "local", "hand")
     exposed = statistics.median(r["mpi_ad"] - r["lightning_local"] for r in rounds)
     print(f"\nmpi_ad strategy benchmark: {size} ranks, {threads} torch thread(s) per rank, MLP 784-1024-1024-10,")
     print(f"batch {BATCH} per rank, {args.rounds} interleaved rounds x {args.steps} steps ({args.warmup} warm-up)\n")
@@ -181,23 +180,12 @@ def _plot(rounds: list[dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _paired(rounds: list[dict[str, float]], name: str, reference: str) -> tuple[float, float, float]:
-    """Median, min and max over rounds of ``name``'s time divided by ``reference``'s in the same round."""
-    ratios = paired_ratios({n: [r[n] for r in rounds] for n in (name, reference)}, name, reference)
-    return statistics.median(ratios), min(ratios), max(ratios)
-
-
 def _lightning_environment(comm) -> None:
     """The variables Lightning's LightningEnvironment reads, so its DDP joins this MPI job's processes (a fresh
     port every time: the process group is destroyed after each DDP round)."""
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(comm.bcast(port, root=0)),
+        MASTER_PORT=str(shared_port(comm)),
         LOCAL_RANK=str(comm.rank),
         NODE_RANK="0",
         WORLD_SIZE=str(comm.size),

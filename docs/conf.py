@@ -17,7 +17,14 @@ from sphinx.environment import BuildEnvironment
 
 import mpistrategy
 
-PACKAGES = ("mpistrategy", "mpistrategy.aggregation", "mpistrategy.nn", "mpistrategy.strategy", "mpistrategy.sync")
+PACKAGES = (
+    "mpistrategy",
+    "mpistrategy.aggregation",
+    "mpistrategy.nn",
+    "mpistrategy.strategy",
+    "mpistrategy.strategy.reducer",
+    "mpistrategy.sync",
+)
 
 project = "mpistrategy"
 author = "the mpistrategy developers"

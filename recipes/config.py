@@ -33,7 +33,7 @@ class TrainerConf:
 
     _target_: str = "lightning.pytorch.Trainer"
     accelerator: str = "cpu"
-    devices: Any = 1
+    devices: Any = "auto"
     num_nodes: int = 1
     precision: Any = "32-true"
     max_epochs: int | None = 10
@@ -101,7 +101,7 @@ class MPIADStrategyConf:
     sync: str = "flat"
     #: ranks per (virtual) node; null = the nodes MPI reports (or MPISTRATEGY_RANKS_PER_NODE)
     ranks_per_node: int | None = None
-    node_transport: NodeTransport = NodeTransport.mpi  # type: ignore[attr-defined]
+    node_transport: NodeTransport = NodeTransport.auto  # type: ignore[attr-defined]
     #: log comm/bytes_per_step, comm/node_bytes_per_step and comm/inter_node_bytes_per_step every optimizer step
     log_traffic: bool = True
     bucket_cap_mb: float = 25.0

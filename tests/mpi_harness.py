@@ -477,9 +477,10 @@ class _Launcher:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        """Report an mpi item from its (module, rank count) job, launching the job if needed."""
+        """Report an mpi item from its (module, rank count) job, launching the job if needed. An item marked
+        ``skip`` (e.g. a GPU test on a machine without one) is left to pytest: no job is started for it."""
         nranks = _nranks(item)
-        if nranks is None:
+        if nranks is None or item.get_closest_marker("skip") is not None:
             return None
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)

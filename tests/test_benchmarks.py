@@ -1,66 +1,151 @@
 """The benchmarks run for real (quick mode, 2 ranks under the harness's launcher) and write complete results.
 
-No timing is asserted: the machines are shared and noisy. What is checked is that every contender ran for every
-op, mode and size, and that the outputs a reader looks at (the summary, the JSON, the PNG) are there.
+No timing is asserted: the machines are shared and noisy. What is checked is the schema of the JSON (every key, of
+its type), that every contender ran for every op, mode and size, that every time and every ratio is finite and
+positive, that the summary ratios are those of the per-round times, and that the PNG is a whole image.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from mpistrategy.launch import mpiexec_command
-from tests.mpi_harness import clean_environ
+from tests.benchmark_runs import BENCHMARKS, assert_count, assert_finite, assert_positive, png_size, run_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SIZES = (1 << 10, 1 << 20, 1 << 24)
+OPS = ("allreduce", "broadcast", "allgather")
+STRATEGY_CONTENDERS = {"mpi_ad", "ddp", "hand", "hand_cat", "reducer", "local", "lightning_local"}
+STRATEGY_RATIOS = (
+    "mpi_ad_vs_ddp",
+    "mpi_ad_vs_hand",
+    "mpi_ad_vs_hand_cat",
+    "reducer_vs_hand",
+    "mpi_ad_vs_reducer",
+    "lightning_local_vs_ddp",
+    "local_vs_hand",
+)
 
 
-def _run(script: str, results: Path, *args: str) -> str:
-    script_args = [str(BENCHMARKS / script), "--quick", "--results", str(results)]
-    command = [*mpiexec_command(), "-n", "2", sys.executable, *script_args]
-    done = subprocess.run(
-        [*command, *args], env=clean_environ(), capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
+def _collectives_row_keys(op: str, backward: bool) -> tuple[set[str], set[str]]:
+    """The timed contenders (seconds per call) and the ratios a row of collectives.json holds, validation on."""
+    times = {"ours", "mpi4py", "gloo", "floor"}
+    ratios = {"ours/mpi4py", "gloo/ours", "ours/floor", "floor/mpi4py"}
+    if op == "allreduce":
+        times |= {"shm", "ours_mpi"}
+        ratios |= {"mpi4py/shm", "ours/ours_mpi"}
+    if op == "allreduce" and not backward:
+        times |= {"shm_window", "mpi4py_window"}
+        ratios.add("mpi4py/shm_window")
+    if not backward:
+        times |= {"ours_new", "ours_unchecked"}
+        ratios.add("no-val/mpi4py")
+    return times, ratios
 
 
 def test_collectives_benchmark_times_every_contender(tmp_path: Path) -> None:
-    output = _run("collectives.py", tmp_path)
+    output = run_benchmark("collectives.py", tmp_path)
     payload = json.loads((tmp_path / "collectives.json").read_text())
-    rows = payload["rows"]
+    assert set(payload) == {"ranks", "validation", "load_average", "shm_min_bytes", "rows"}
     assert payload["ranks"] == 2 and payload["validation"] is True
-    assert {(r["op"], r["backward"], r["bytes"]) for r in rows} == {
-        (op, backward, size)
-        for op in ("allreduce", "broadcast", "allgather")
-        for backward in (False, True)
-        for size in (1 << 10, 1 << 20, 1 << 24)
-    }
+    assert len(payload["load_average"]) == 3 and all(
+        type(load) is float and math.isfinite(load) and load >= 0 for load in payload["load_average"]
+    )
+    assert set(payload["shm_min_bytes"]) == {"private", "shared"}
+    for kind, threshold in payload["shm_min_bytes"].items():
+        assert_count(threshold, f"shm_min_bytes[{kind}]")
+    rows = payload["rows"]
+    assert [(r["op"], r["backward"], r["bytes"]) for r in rows] == [
+        (op, backward, size) for op in OPS for backward in (False, True) for size in SIZES
+    ]
     for row in rows:
-        extra = set() if row["backward"] else {"ours_new", "ours_unchecked"}
-        contenders = {"ours", "mpi4py", "gloo", "floor", "ours/floor", "floor/mpi4py"} | extra
-        assert contenders <= set(row) and all(row[name] > 0 for name in contenders), row
+        times, ratios = _collectives_row_keys(row["op"], row["backward"])
+        assert set(row) == {"op", "backward", "bytes"} | times | ratios, sorted(row)
+        assert type(row["op"]) is str and type(row["backward"]) is bool and type(row["bytes"]) is int
+        for name in sorted(times | ratios):
+            assert_positive(row[name], f"{row['op']} {row['bytes']} B backward={row['backward']}: {name}")
     assert "forward, 1 KB: worst added latency" in output
     assert "forward, >= 1 MB: worst ours/floor" in output and "forward+backward, >= 1 MB: worst ours/floor" in output
-    assert (tmp_path / "collectives.png").stat().st_size > 10_000
+    width, height = png_size(tmp_path / "collectives.png")
+    assert width > height >= 400, (width, height)  # two rows of panels, one column per op
 
 
 def test_strategy_benchmark_times_every_contender(tmp_path: Path) -> None:
-    output = _run("strategy.py", tmp_path)
+    output = run_benchmark("strategy.py", tmp_path)
     payload = json.loads((tmp_path / "strategy.json").read_text())
-    assert set(payload["median_ms_per_step"]) == {
-        "mpi_ad",
-        "ddp",
-        "hand",
-        "hand_cat",
-        "reducer",
-        "local",
-        "lightning_local",
+    assert set(payload) == {
+        "ranks",
+        "threads_per_rank",
+        "batch_per_rank",
+        "steps",
+        "warmup",
+        "rounds",
+        "median_ms_per_step",
+        *STRATEGY_RATIOS,
+        "mpi_ad_minus_lightning_local_ms",
+        "targets",
     }
-    assert len(payload["rounds"]) == 3 and all(value > 0 for value in payload["median_ms_per_step"].values())
-    assert payload["mpi_ad_vs_ddp"] > 0 and payload["mpi_ad_vs_hand"] > 0 and payload["mpi_ad_vs_reducer"] > 0
+    assert (payload["ranks"], payload["steps"], payload["warmup"]) == (2, 20, 5)
+    assert_count(payload["threads_per_rank"], "threads_per_rank")
+    assert_count(payload["batch_per_rank"], "batch_per_rank")
+    rounds = payload["rounds"]
+    assert len(rounds) == 3 and all(set(r) == STRATEGY_CONTENDERS for r in rounds), rounds
+    for number, times in enumerate(rounds):
+        for name, milliseconds in times.items():
+            assert_positive(milliseconds, f"round {number}: {name}")
+    assert set(payload["median_ms_per_step"]) == STRATEGY_CONTENDERS
+    for name, milliseconds in payload["median_ms_per_step"].items():
+        median = statistics.median(r[name] for r in rounds)
+        assert math.isclose(milliseconds, median, rel_tol=1e-12), (name, milliseconds, median)
+    for key in STRATEGY_RATIOS:
+        name, reference = key.split("_vs_")
+        assert_positive(payload[key], key)
+        paired = statistics.median(r[name] / r[reference] for r in rounds)  # the median of per-round ratios
+        assert math.isclose(payload[key], paired, rel_tol=1e-12), (key, payload[key], paired)
+    exposed = payload["mpi_ad_minus_lightning_local_ms"]
+    assert_finite(exposed, "mpi_ad_minus_lightning_local_ms")
+    difference = statistics.median(r["mpi_ad"] - r["lightning_local"] for r in rounds)
+    assert math.isclose(exposed, difference, rel_tol=1e-12, abs_tol=1e-9), (exposed, difference)
+    assert set(payload["targets"]) == {"vs_ddp", "vs_hand"}
+    for name, target in payload["targets"].items():
+        assert_positive(target, f"targets[{name}]")
     assert "mpi_ad / ddp" in output and "mpi_ad / hand" in output and "lightning_local / ddp" in output
-    assert 0 < payload["lightning_local_vs_ddp"] and 0 < payload["local_vs_hand"]
-    assert (tmp_path / "strategy.png").stat().st_size > 10_000
+    width, height = png_size(tmp_path / "strategy.png")
+    assert width > height >= 300, (width, height)  # one wide box plot
+
+
+def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios(tmp_path: Path) -> None:
+    """The GPU benchmark's code with the CPU standing in for the GPU, on a 14,058-parameter encoder; a CPU run
+    without a results directory is refused (it must never replace GPU figures)."""
+    tiny = ("--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "8", "--batch", "4")
+    output = run_benchmark("gpu.py", tmp_path, *tiny)
+    payload = json.loads((tmp_path / "gpu.json").read_text())
+    assert payload["device"] == "cpu" and payload["model"]["parameters"] == 14_058 and set(payload["runs"]) == {"2"}
+    run = payload["runs"]["2"]
+    contenders = {"mpi_ad", "ddp", "hand", "local", "lightning_local"}
+    assert run["ranks"] == 2 and run["ddp_backend"] == "gloo" and run["memory"] is None
+    assert len(run["rounds"]) == 2 and all(set(r) == contenders for r in run["rounds"])
+    assert set(run["median_ms_per_step"]) == contenders and all(v > 0 for v in run["median_ms_per_step"].values())
+    assert set(run["ratios"]) == {
+        "mpi_ad/hand",
+        "mpi_ad/ddp",
+        "mpi_ad/lightning_local",
+        "lightning_local/ddp",
+        "local/hand",
+    }
+    values = [value for ratio in run["ratios"].values() for value in ratio.values()]
+    assert all(math.isfinite(value) and value > 0 for value in values), run["ratios"]
+    assert set(run["hand_phases_ms"]) == {"device_to_host", "mpi", "host_to_device"}
+    assert all(math.isfinite(value) and value >= 0 for value in run["hand_phases_ms"].values())
+    assert run["hidden"] is None or math.isfinite(run["hidden"])
+    assert "mpi_ad/hand" in output and "target <= 0.75" in output and "hidden by mpi_ad" in output
+    width, height = png_size(tmp_path / "gpu.png")
+    assert width >= 300 and height >= 300, (width, height)
+
+    refused = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu"], capture_output=True, text=True, check=False
+    )
+    assert refused.returncode == 2 and "--device cpu: give --results DIR" in refused.stderr

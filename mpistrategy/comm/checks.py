@@ -160,6 +160,24 @@ _COUNT_MIX = 0x1F3D5B79
 _MASK = (1 << 63) - 1
 
 
+def _no_node_exchange(comm: Communicator) -> Exchange | None:
+    return None
+
+
+_node_exchange: Callable[[Communicator], Exchange | None] = _no_node_exchange
+
+
+def check_on_node(find: Callable[[Communicator], Exchange | None]) -> None:
+    """Check every op on a communicator through ``find(comm)`` too, when it returns an exchange (see :func:`agree`).
+
+    :mod:`mpistrategy.collectives.reduction` passes the shared-memory flags that an allreduce on the communicator
+    checks through once its ranks have them: a rank in another op then meets that allreduce's check there, and
+    both raise the error that names both calls, instead of one waiting in the flags and the other in MPI.
+    """
+    global _node_exchange
+    _node_exchange = find
+
+
 def attempt(check: Callable[..., T], *args: object) -> tuple[T | None, Exception | None]:
     """``(check(*args), None)``, or ``(None, error)`` when a local check inside ``check`` raised ``error``.
 
@@ -221,7 +239,9 @@ def agree(
     (one message for the check and a small payload). ``exchange``: what takes the MAX of two int64 (the digest
     and the count mixed, and its negation) over the ranks in place instead of that allreduce (the shared-memory
     flags of a node-local communicator); it may also only offer this rank's values and leave the comparison to
-    the operation that follows, which then calls the ``report`` it was given on a disagreement.
+    the operation that follows, which then calls the ``report`` it was given on a disagreement. Without an
+    ``exchange`` of its own, an op on a communicator whose allreduces check through shared-memory flags checks
+    there too (see :func:`check_on_node`), and then, when it carries a payload, through MPI as well.
 
     No exchange when validation is off or the communicator has one rank: then ``problem`` is raised on this rank
     alone, unless ``deferred`` (and more than one rank), which leaves it to the caller's next exchange.
@@ -237,14 +257,16 @@ def agree(
     else:
         digest = _digest(local if type(local) is tuple else tuple(local)) ^ _name_digest(what)
     count = call.count
-    if exchange is not None and shared is None:
+    if exchange is None:
+        exchange = _node_exchange(comm)
+    if exchange is not None:
         extremes = comm.agreement
         mixed = digest if digest < 0 else (digest + count * _COUNT_MIX) & _MASK
         extremes[0], extremes[1] = mixed, -mixed
         exchange(extremes, lambda: report(comm, what, local, describe, problem, call))
         if extremes[0] != -extremes[1]:
             report(comm, what, local, describe, problem, call)
-    else:
+    if exchange is None or shared is not None:
         values = comm.fingerprint if shared is None else shared
         values[0], values[1], values[2], values[3] = digest, -digest, count, -count
         comm.checks.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)

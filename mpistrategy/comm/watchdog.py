@@ -46,7 +46,7 @@ ACTIONS = ("abort", "warn")
 
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
-_ALARM, _STATE = 1, 2
+_ALARM, _STATE, _WRITTEN = 1, 2, 3
 # The launcher forwards a report's output before it tears the job down within this time.
 _OUTPUT_SECONDS = 0.5
 _PACKAGE_ROOT = calls.package_root()
@@ -245,6 +245,7 @@ class Watchdog:
         flight.dump("stall", {"report": text, "states": {str(rank): state for rank, state in states.items()}})
         _write(text)
         if _action == "abort":
+            self._wait_until_written(states)
             deadline = time.monotonic() + 1.0
             while self._sends and not MPI.Request.Testall(self._sends) and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -256,6 +257,23 @@ class Watchdog:
                 time.sleep(_ANSWER_SECONDS)
                 self.comm.Abort(STALL_EXIT_CODE)
             _exit_process(STALL_EXIT_CODE)
+
+    def _wait_until_written(self, states: dict[int, dict[str, Any]]) -> None:
+        """Tell the ranks that answered that this rank's report is written, and wait (at most
+        ``_ANSWER_SECONDS``) until each of them says the same: the first rank to exit makes the launcher end the
+        others, so none may exit before every report is out, however loaded the node."""
+        for other in states:
+            if other != self.rank:
+                self._send(b"", other, _WRITTEN)
+        waiting = set(states) - {self.rank}
+        deadline = time.monotonic() + _ANSWER_SECONDS
+        status = MPI.Status()
+        while waiting and time.monotonic() < deadline:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, _WRITTEN, status):
+                self.comm.Recv([bytearray(0), MPI.BYTE], status.Get_source(), _WRITTEN)
+                waiting.discard(status.Get_source())
+            else:
+                time.sleep(0.01)
 
 
 def _call_state(call: calls.Call | None) -> dict[str, Any] | None:

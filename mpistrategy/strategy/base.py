@@ -36,6 +36,7 @@ from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy import conventions, failures, sync
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.environment import MPIEnvironment
+from mpistrategy.strategy.sharding.options import check_shard
 from mpistrategy.sync import SyncMode, build_sync
 from mpistrategy.sync.transport import NODE_TRANSPORTS
 
@@ -55,9 +56,10 @@ class MPIStrategyBase:
             default: every step over all ranks; see :mod:`mpistrategy.sync`).
         ranks_per_node: make groups of this many ranks act as nodes (default: nodes from MPI, or
             ``MPISTRATEGY_RANKS_PER_NODE``): one machine can then act as several nodes.
-        node_transport: how node-local gradient averaging travels: ``"mpi"`` (the node's shared-memory
-            communicator, default), ``"gloo"`` or ``"nccl"`` (a torch.distributed group per node, its rendezvous
-            done over MPI).
+        node_transport: how node-local gradient averaging travels: ``"auto"`` (default: NCCL for a model on CUDA
+            when every rank of the node has a GPU of its own, else MPI), ``"mpi"`` (the node's shared-memory
+            communicator), ``"gloo"`` or ``"nccl"`` (a torch.distributed group per node, its rendezvous done over
+            MPI). The step across nodes always goes over MPI.
         bucket_cap_mb: gradient bucket size cap in MB (DDP's default 25).
         first_bucket_cap_mb: cap of the first bucket, which is started first (default: ``bucket_cap_mb``). DDP
             uses 1 MB so that communication starts early; with MPI, whose non-blocking collectives progress only
@@ -85,6 +87,11 @@ class MPIStrategyBase:
             ``MPISTRATEGY_STALL_ACTION``, default ``"abort"``.
         flight_dir: where each rank writes its flight record (its last collectives) on a stall, an abort or a
             signal; ``None``: ``MPISTRATEGY_FLIGHT_DIR``, default ``./mpistrategy_flight``.
+        shard: split the optimizer state over the ranks (ZeRO, see :mod:`mpistrategy.strategy.sharding`):
+            ``"optimizer"`` (stage 1: each rank keeps and steps ``1/N`` of the optimizer state, the updated
+            parameters are allgathered), ``"gradients"`` (stage 2: also the averaged gradients are kept only for
+            the rank's shard: gradient buckets are reduce-scattered) or ``None`` (every rank keeps everything).
+            Under ``sync="hierarchical"`` the ranks of each node split one copy.
     """
 
     if TYPE_CHECKING:  # provided by the Lightning strategy this class is mixed into
@@ -107,7 +114,7 @@ class MPIStrategyBase:
         aggregator: Aggregator | None = None,
         sync: SyncMode | str | None = None,
         ranks_per_node: int | None = None,
-        node_transport: str = "mpi",
+        node_transport: str = "auto",
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         own_bucket_mb: float = 1.0,
@@ -118,6 +125,7 @@ class MPIStrategyBase:
         stall_timeout: float | None = None,
         stall_action: str | None = None,
         flight_dir: str | None = None,
+        shard: str | None = None,
     ) -> None:
         if stall_timeout is not None or stall_action is not None:
             watchdog.set_stall_timeout(
@@ -139,6 +147,7 @@ class MPIStrategyBase:
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.own_bucket_mb = own_bucket_mb
         self.data_parallel = data_parallel
+        self.shard = shard
         self.abort_on_exception = abort_on_exception
         self.set_num_threads = set_num_threads
         self._stop_signal_numbers = tuple(stop_signals)
@@ -147,6 +156,7 @@ class MPIStrategyBase:
         if self.abort_on_exception and self.world_size > 1:
             failures.install_excepthook()
             failures.report_os_exit()
+        check_shard(shard, data_parallel)  # after the hook: a value wrong on one rank only ends every rank
 
     # --------------------------------------------------------------------------------------------- ranks
 
@@ -246,9 +256,16 @@ class MPIStrategyBase:
             self.own_bucket_mb,
             self.node_transport,
             self._traffic,
+            self.shard,
+            self._uses_grad_scaler(),
         )
         engine.setup(module, optimizers)
         return engine
+
+    def _uses_grad_scaler(self) -> bool:
+        """Whether the precision plugin checks gradients for overflow (a ``GradScaler``, float16 mixed precision)."""
+        plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)
+        return getattr(plugin, "scaler", None) is not None
 
     def broadcast_module_state(self, module: nn.Module) -> None:
         """Give ``module`` rank 0's parameters and buffers (collective; nothing without data parallelism)."""
@@ -332,9 +349,3 @@ def _cpus_available() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-# Last statement: registrations that Lightning's import triggered while this module was half-imported.
-from mpistrategy.strategy import registration as _registration  # noqa: E402
-
-_registration.flush_deferred(__name__)

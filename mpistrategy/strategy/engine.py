@@ -30,6 +30,9 @@ from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.failures import mark_raised_on_every_rank
 from mpistrategy.strategy.reducer import GradientReducer
+from mpistrategy.strategy.sharding.memory import MemoryReport, measure
+from mpistrategy.strategy.sharding.options import configuration_problem
+from mpistrategy.strategy.sharding.training import ShardedTraining
 from mpistrategy.strategy.step_check import StepCheck
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 
@@ -45,7 +48,7 @@ class DataParallelEngine:
         topology: ranks, nodes and communicators.
         bucket_cap_mb, first_bucket_cap_mb, own_bucket_mb: the bucket layout (see
             :class:`~mpistrategy.strategy.reducer.GradientReducer`).
-        node_transport: ``"mpi"``, ``"gloo"`` or ``"nccl"`` for node-local gradient averaging.
+        node_transport: ``"auto"``, ``"mpi"``, ``"gloo"`` or ``"nccl"`` for node-local gradient averaging.
         traffic: where the bytes sent are counted (a new counter by default).
     """
 
@@ -57,8 +60,10 @@ class DataParallelEngine:
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
         own_bucket_mb: float = 1.0,
-        node_transport: str = "mpi",
+        node_transport: str = "auto",
         traffic: TrafficCounter | None = None,
+        shard: str | None = None,
+        agree_on_overflow: bool = False,
     ) -> None:
         self.sync = sync
         self.aggregator = aggregator
@@ -73,6 +78,10 @@ class DataParallelEngine:
         self.module: nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.step_check = StepCheck()
+        self.shard = shard
+        self.agree_on_overflow = agree_on_overflow
+        self.sharding: ShardedTraining | None = None
+        self._sync_pass = False
 
     def setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Set the sync mode up and build the gradient buckets (collective). Configuration errors raise on every
@@ -85,9 +94,45 @@ class DataParallelEngine:
         except (SyncConfigurationError, ValueError, TypeError) as error:
             problem = error
         self._agree_on(problem, "setting up the sync mode")
-        self.reducer = GradientReducer(
-            module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
-        )
+        self._agree_on(self._shard_problem(), "checking the shard option")
+        if self.shard is not None:
+            per_node = self.sync.name == "hierarchical"
+            self.sharding = ShardedTraining(
+                self.shard, module, self.topology, per_node, self.agree_on_overflow, self.bucket_cap_mb, self.traffic
+            )
+        if self.shard != "gradients":
+            self.reducer = GradientReducer(
+                module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
+            )
+        for optimizer in optimizers:
+            self.add_optimizer(optimizer)
+
+    def _shard_problem(self) -> SyncConfigurationError | None:
+        """What stops this rank's ``shard`` option: ranks that disagree on it, or a configuration it cannot run."""
+        control = self.topology.control
+        everyone = control.allgather(self.shard) if control.Get_size() > 1 else [self.shard]
+        if len(set(everyone)) > 1:
+            listing = ", ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(everyone))
+            return SyncConfigurationError(
+                f"the ranks were given different shard options ({listing}); give every rank the same."
+            )
+        problem = configuration_problem(self.shard, self.sync.name, self.aggregator, self.topology.node_sizes)
+        return None if problem is None else SyncConfigurationError(problem)
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the engine's steps drive ``optimizer`` too (collective when the state is sharded: it is split)."""
+        if optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+        if self.sharding is not None:
+            self.sharding.add_optimizer(optimizer)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: Any) -> None:
+        """Make ``optimizer.zero_grad()`` (and its wrappers' ``aliases``) zero the gradients where the engine keeps
+        them (see :meth:`~mpistrategy.strategy.reducer.GradientReducer.attach_optimizer`)."""
+        if self.sharding is not None:
+            self.sharding.attach_optimizer(optimizer, self.reducer, *aliases)
+        elif self.reducer is not None:
+            self.reducer.attach_optimizer(optimizer, *aliases)
 
     def _agree_on(self, problem: BaseException | None, what: str) -> None:
         """Raise ``problem`` on its rank and a :class:`SyncConfigurationError` on the others, if any rank has one."""
@@ -102,28 +147,50 @@ class DataParallelEngine:
 
     # ---------------------------------------------------------------------------------------------- steps
 
-    def pre_backward(self, sync_gradients: bool) -> None:
-        """Before each backward pass: ``sync_gradients`` is False inside gradient accumulation. Posts the check that
-        every rank is at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
+    def pre_backward(self, sync_gradients: bool, loss: torch.Tensor | None = None) -> None:
+        """Before each backward pass (of ``loss``): ``sync_gradients`` is False inside gradient accumulation. Posts
+        the check that every rank is at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
+        self._sync_pass = sync_gradients
         if self.reducer is not None:
             self.reducer.prepare(sync=sync_gradients)
             aggregator = self.reducer.aggregator
             span = None if aggregator is None or aggregator.context is None else aggregator.context.span
             self.step_check.begin_sync(None if span is None else span.comm)
+        elif self.sharding is not None and self.sharding.gradients is not None:
+            self.sharding.gradients.prepare(sync_gradients, loss)
+            self.step_check.begin_sync(self.sharding.group.span if sync_gradients else None)
 
     def post_backward(self) -> None:
         """After each backward pass, before clipping and the optimizer step: finish the gradient buckets, and check
         that every rank was at the same batch (:mod:`~mpistrategy.strategy.step_check`)."""
-        if self.reducer is not None:
+        gradients = self.sharding.gradients if self.sharding is not None else None
+        if self.reducer is not None or gradients is not None:
             self.step_check.waiting()
-            self.reducer.wait()
+            if self.reducer is not None:
+                self.reducer.wait()
+            elif gradients is not None:
+                gradients.wait()
             self.step_check.end_sync()
+        if self.sharding is not None and self._sync_pass:
+            self.sharding.after_backward()
 
-    def after_optimizer_step(self) -> None:
-        """After the optimizer step: the sync mode's parameter work; the step's bytes go to
-        :attr:`last_step_traffic` (``(node, inter_node)`` bytes this rank sent in the step)."""
+    def after_optimizer_step(self, optimizer: Any = None) -> None:
+        """After ``optimizer``'s step (``None``: any): the allgather of its updated shards when sharded, the sync
+        mode's parameter work; the step's bytes go to :attr:`last_step_traffic` (``(node, inter_node)`` bytes this
+        rank sent in the step)."""
+        if self.sharding is not None:
+            self.sharding.after_step(optimizer)
         self.sync.after_optimizer_step()
         self.last_step_traffic = self.traffic.take()
+
+    def memory(self) -> MemoryReport:
+        """The bytes this rank holds for the model's parameters, gradients (the ``.grad`` and the gradient buckets
+        or shards) and optimizer state, measured from the tensors (see :mod:`~mpistrategy.strategy.sharding.memory`)."""
+        assert self.module is not None, "memory() is measured after setup"
+        buffers = [bucket.buffer for bucket in self.reducer.buckets] if self.reducer is not None else []
+        if self.sharding is not None:
+            buffers += self.sharding.gradient_buffers()
+        return measure(self.module, self.optimizers, buffers)
 
     def begin_epoch(self, epoch: int, steps: int | None, total_epochs: int | None) -> None:
         self.sync.begin_epoch(epoch, steps, total_epochs)
@@ -214,3 +281,6 @@ class DataParallelEngine:
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+        if self.sharding is not None:
+            self.sharding.remove()
+            self.sharding = None

@@ -109,9 +109,3 @@ class MPIEnvironment(MPIEnvironmentMixin, ClusterEnvironment):
     :class:`~mpistrategy.comm.topology.LaunchMismatchError` when SLURM started several tasks but MPI sees a
     world of one.
     """
-
-
-# Last statement: registrations that Lightning's import triggered while this module was half-imported.
-from mpistrategy.strategy import registration as _registration  # noqa: E402
-
-_registration.flush_deferred(__name__)

@@ -127,9 +127,8 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for module, engine in self._engines:
             if optimizer not in engine.optimizers and any(id(p) in params for p in module.parameters()):
-                engine.optimizers.append(optimizer)
-                if engine.reducer is not None:
-                    engine.reducer.attach_optimizer(optimizer)
+                engine.add_optimizer(optimizer)
+                engine.attach_optimizer(optimizer)
         return optimizer
 
     def _setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -147,9 +146,8 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
                 copy.deepcopy(self._aggregator_template),
                 self.topology.with_own_gradient_channels(),
             )
-        assert engine.reducer is not None
         for optimizer in optimizers:
-            engine.reducer.attach_optimizer(optimizer)
+            engine.attach_optimizer(optimizer)
         index = len(self._engines)
         self._engines.append((module, engine))
         if index < len(self._pending_states):
@@ -171,7 +169,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         for owner, engine in engines:
             if engine.sync.uses_loss and tensor.numel() == 1:
                 engine.record_loss(tensor)
-            engine.pre_backward(not self._backward_sync_control.skips(owner))
+            engine.pre_backward(not self._backward_sync_control.skips(owner), tensor)
         super().backward(tensor, module, *args, **kwargs)
         for _, engine in engines:
             engine.post_backward()
@@ -183,7 +181,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         for _, engine in self._engines:
             if any(optimizer is mine for mine in engine.optimizers):
-                engine.after_optimizer_step()
+                engine.after_optimizer_step(optimizer)
         self._install_stop_signals()
         signum = self._decide_stop()
         if signum:
@@ -192,6 +190,23 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
                 log.warning("mpi_ad: %s received; every rank stops after this optimizer step.", name)
             raise failures.mark_coordinated_stop(failures.StopRequested(name))
         return output
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Fabric's clipping by norm; a sharded optimizer's gradients are clipped by the norm of the whole gradient
+        (collective over the ranks that share its state)."""
+        for _, engine in self._engines:
+            sharded = engine.sharding.sharded(optimizer) if engine.sharding is not None else None
+            if sharded is not None:
+                self.precision.unscale_gradients(optimizer)
+                return sharded.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
 
     def begin_epoch(self, epoch: int, steps: int | None = None, total_epochs: int | None = None) -> None:
         """Before epoch ``epoch`` (0-based) of ``steps`` optimizer steps, of ``total_epochs``: for sync modes with an
@@ -291,9 +306,3 @@ def _carries_state(engine_state: dict[str, Any]) -> bool:
     return bool(
         engine_state.get("sync", {}).get("state") or engine_state.get("aggregator") or "replicas" in engine_state
     )
-
-
-# Last statement: registrations that Lightning's import triggered while this module was half-imported.
-from mpistrategy.strategy import registration as _registration  # noqa: E402
-
-_registration.flush_deferred(__name__)

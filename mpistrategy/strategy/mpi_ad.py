@@ -33,6 +33,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import signal
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,9 @@ from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.framework import LIGHTNING, framework
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.resumable import make_resumable
+from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
+from mpistrategy.strategy.sharding import files as sharded_files
+from mpistrategy.strategy.sharding.training import ShardedTraining
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
         log_traffic: log the payload bytes this rank sent in each optimizer step (``comm/bytes_per_step``, split
             into ``comm/node_bytes_per_step`` and ``comm/inter_node_bytes_per_step``; rank 0's values) on the
             steps the Trainer's loggers record (every ``log_every_n_steps``; never without a logger).
+        log_memory: on the same steps, log the bytes every rank holds for the model's parameters, gradients and
+            optimizer state (``memory/rank<r>/param_bytes``, ``.../grad_bytes``, ``.../optimizer_state_bytes``,
+            measured from the tensors: see :mod:`~mpistrategy.strategy.sharding.memory`), gathered to rank 0.
         checkpoint_on_stop: save a checkpoint (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, which
             ``fit(ckpt_path="hpc")`` resumes from, continuing exactly where it stopped) before a coordinated stop;
             ``fit`` then raises ``SIGTERMException`` with exit code
@@ -98,6 +105,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         *args: Any,
         precision_plugin: Any = None,
         log_traffic: bool = True,
+        log_memory: bool = True,
         checkpoint_on_stop: bool = True,
         **options: Any,
     ) -> None:
@@ -106,6 +114,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
             options["precision"] = precision_plugin
         super().__init__(*args, **options)
         self.log_traffic = log_traffic
+        self.log_memory = log_memory
         self.checkpoint_on_stop = checkpoint_on_stop
         self._checked_step = -1
         self._engine: DataParallelEngine | None = None
@@ -114,6 +123,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._sync_gradients = True
         self._layer_sync_applied: Any = None
         self._random_state_to_restore: random_state.RandomState | None = None
+        self._patched_plugin: Any = None
+        self._checkpoint_path: str | None = None
+        self._sharding: ShardedTraining | None = None  # kept after fit: a checkpoint saved then needs it
 
     @property
     def _fw(self):
@@ -145,9 +157,12 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self.setup_precision_plugin()
         if fitting:
             fw.optimizers_to_device(self.optimizers, self.root_device)
-            if self.reducer is not None:
+            self._sharding = None if self._engine is None else self._engine.sharding
+            if self._engine is not None:
                 for optimizer, wrapper in zip(self.optimizers, self._lightning_optimizers, strict=True):
-                    self.reducer.attach_optimizer(optimizer, wrapper)
+                    self._engine.attach_optimizer(optimizer, wrapper)
+            if self._sharding is not None:
+                self._clip_sharded_by_norm(self._sharding)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -161,7 +176,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self._engine is not None:
-            self._engine.pre_backward(self._sync_gradients)
+            self._engine.pre_backward(self._sync_gradients, closure_loss)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._engine is not None:
@@ -179,20 +194,24 @@ class MPIADStrategyMixin(MPIStrategyBase):
         """The optimizer step, then the sync mode's model averaging; logs the step's bytes."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self._engine is not None:
-            self._engine.after_optimizer_step()
-            if self.log_traffic and self._writes_logs_this_step():
-                node, inter_node = self._engine.last_step_traffic
-                self.lightning_module.log_dict(
-                    {
-                        "comm/bytes_per_step": float(node + inter_node),
-                        "comm/node_bytes_per_step": float(node),
-                        "comm/inter_node_bytes_per_step": float(inter_node),
-                    },
-                    on_step=True,
-                    on_epoch=False,
-                    rank_zero_only=True,
-                )
+            self._engine.after_optimizer_step(optimizer)
+            if (self.log_traffic or self.log_memory) and self._writes_logs_this_step():
+                self._log_step_figures(self._engine)
         return output
+
+    def _log_step_figures(self, engine: DataParallelEngine) -> None:
+        """Log the step's bytes sent (rank 0's) and every rank's memory (gathered to rank 0; collective)."""
+        figures: dict[str, float] = {}
+        if self.log_traffic:
+            node, inter_node = engine.last_step_traffic
+            figures["comm/bytes_per_step"] = float(node + inter_node)
+            figures["comm/node_bytes_per_step"] = float(node)
+            figures["comm/inter_node_bytes_per_step"] = float(inter_node)
+        if self.log_memory:
+            reports = self.topology.control.gather(engine.memory().as_dict(), root=0)
+            for rank, report in enumerate(reports or []):
+                figures.update({f"memory/rank{rank}/{name}": float(value) for name, value in report.items()})
+        self.lightning_module.log_dict(figures, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def _writes_logs_this_step(self) -> bool:
         """Whether a logger records this step's values: Lightning writes step values every ``log_every_n_steps``
@@ -213,6 +232,22 @@ class MPIADStrategyMixin(MPIStrategyBase):
         finally:
             self._sync_gradients = previous
 
+    def _clip_sharded_by_norm(self, sharding: ShardedTraining) -> None:
+        """Make the precision plugin clip a sharded optimizer's gradients by the norm of the whole gradient (its own
+        clipping would see only this rank's shard); the plugin gets its own method back at teardown."""
+        plugin = self.precision_plugin
+        own = plugin.clip_grad_by_norm
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            sharded = sharding.sharded(optimizer)
+            if sharded is None:
+                own(optimizer, clip_val)
+            else:
+                sharded.clip_grad_norm_(clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        self._patched_plugin = plugin
+
     @property
     def reducer(self) -> GradientReducer | None:
         """The gradient buckets while fitting with more than one rank, else ``None``."""
@@ -228,13 +263,53 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Collective: rank 0 writes ``checkpoint`` atomically, sealed with a SHA-256, with the sync mode's and the
-        aggregator's state and every rank's random state added (see :mod:`~mpistrategy.strategy.checkpoints`)."""
+        aggregator's state and every rank's random state added (see :mod:`~mpistrategy.strategy.checkpoints`);
+        sharded optimizers' shards go to shard files beside it first (see :mod:`~mpistrategy.strategy.sharding.
+        checkpoint`)."""
         state = self._engine.state_dict() if self._engine is not None else {}
         checkpoints.add_state(checkpoint, state, self.topology.control)
+        token = self._save_optimizer_shards(checkpoint, filepath)
         if not self.is_global_zero:
             return
         save = functools.partial(self.checkpoint_io.save_checkpoint, storage_options=storage_options)
         checkpoints.write(checkpoint, filepath, save, isinstance(self.checkpoint_io, self._fw.AsyncCheckpointIO))
+        if token is not None:
+            sharded_checkpoint.committed(os.fspath(filepath), token)
+
+    def _save_optimizer_shards(self, checkpoint: dict[str, Any], filepath: Any) -> str | None:
+        """Collective: write the sharded optimizers' shard files and put their manifests into ``checkpoint`` (on
+        rank 0); returns the save's token (``None``: nothing sharded to save)."""
+        sharding = self._sharding
+        entries = checkpoint.get("optimizer_states")
+        if sharding is None or not entries:
+            return None
+        control = self.topology.control
+        token = sharded_checkpoint.new_token(control)
+        sharded = [sharding.sharded(optimizer) for optimizer in self.optimizers]
+        mine = [s for s in sharded if s is not None]
+        manifests = iter(sharded_checkpoint.save(os.fspath(filepath), mine, sharding.group, control, token))
+        if self.is_global_zero:
+            checkpoint["optimizer_states"] = [
+                next(manifests) if s else e for s, e in zip(sharded, entries, strict=True)
+            ]
+        return token
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """A sharded optimizer's state goes to shard files when the checkpoint is saved: a placeholder here."""
+        if self._sharded_optimizer(optimizer) is not None:
+            return sharded_checkpoint.placeholder()
+        return super().optimizer_state(optimizer)  # type: ignore[misc]
+
+    def _sharded_optimizer(self, optimizer: Any) -> Any:
+        return None if self._sharding is None else self._sharding.sharded(optimizer)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 removes the checkpoint file and, unless ``filepath`` is a link, its shard files."""
+        path = os.fspath(filepath)
+        owns_shards = self.is_global_zero and not os.path.islink(path)
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if owns_shards:
+            sharded_files.remove(path)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: every rank verifies and reads the checkpoint (rank 0 reads and broadcasts it if some rank
@@ -242,6 +317,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         CorruptCheckpointError` on every rank."""
         load = functools.partial(self.checkpoint_io.load_checkpoint, weights_only=weights_only)
         checkpoint = checkpoints.read(checkpoint_path, load, self.topology.control)
+        self._checkpoint_path = os.fspath(checkpoint_path).removeprefix("file://")
         state = checkpoint.get(CHECKPOINT_KEY)
         if state:
             if self._engine is not None:
@@ -252,8 +328,20 @@ class MPIADStrategyMixin(MPIStrategyBase):
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Lightning's (rank 0's) optimizer states, then this rank's own replica where the sync mode keeps one."""
-        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        """The optimizer states (a sharded optimizer's pieces from the shard files, re-sharded if the checkpoint
+        has another number of shards; a sharded checkpoint's state consolidated for an unsharded optimizer), then
+        this rank's own replica where the sync mode keeps one (collective)."""
+        entries = sharded_checkpoint.restore(
+            self.optimizers,
+            checkpoint["optimizer_states"],
+            self._checkpoint_path,
+            self._sharded_optimizer,
+            self.topology.control,
+        )
+        for optimizer, entry in zip(self.optimizers, entries, strict=False):
+            if entry is not None:
+                optimizer.load_state_dict(entry)
+        self._fw.optimizers_to_device(self.optimizers, self.root_device)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state and self._engine is not None:
             self._engine.restore_replica(state)
@@ -356,6 +444,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def teardown(self) -> None:
         self._random_state_to_restore = None
+        if self._patched_plugin is not None:
+            vars(self._patched_plugin).pop("clip_grad_by_norm", None)
+            self._patched_plugin = None
         if self._engine is not None:
             self._engine.teardown()
             self._engine = None
@@ -373,9 +464,3 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
 class MPIADStrategy(MPIADStrategyMixin, ParallelStrategy):
     """Data-parallel training over MPI for ``lightning.pytorch`` (see :class:`MPIADStrategyMixin` for options)."""
-
-
-# Last statement: registrations that Lightning's import triggered while this module was half-imported.
-from mpistrategy.strategy import registration as _registration  # noqa: E402
-
-_registration.flush_deferred(__name__)

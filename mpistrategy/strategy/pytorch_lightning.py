@@ -26,9 +26,3 @@ class MPIADStrategy(MPIADStrategyMixin, ParallelStrategy):
 
     _framework_name = PYTORCH_LIGHTNING
     _environment_class = MPIEnvironment
-
-
-# Last statement: registrations that Lightning's import triggered while this module was half-imported.
-from mpistrategy.strategy import registration as _registration  # noqa: E402
-
-_registration.flush_deferred(__name__)

@@ -9,6 +9,12 @@ not pay. So :func:`install` (run by
 a tiny import hook that registers right after that package finishes importing. Either way, by the time a
 ``Trainer(strategy="mpi_ad")`` can be built, the name is registered.
 
+What is registered is a factory, not the strategy class: a registry builds a strategy by calling the registered
+callable with the name's options (``StrategyRegistry.get("mpi_daso")`` is ``factory(sync="daso")``), and each
+factory imports its strategy class on its first call. Registering therefore imports none of the strategy modules
+(which import Lightning themselves), and whichever is imported first, a registration never meets a strategy module
+half-imported.
+
 The names (:data:`STRATEGIES`): ``"mpi_ad"`` (flat data parallelism) and ``"mpi_<mode>"`` for every other sync
 mode of :mod:`mpistrategy.sync` (``Trainer(strategy="mpi_daso")`` is ``MPIADStrategy(sync="daso")`` with the
 mode's defaults; configure a mode by passing ``MPIADStrategy(sync=DASO(...))`` instead).
@@ -36,9 +42,16 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpistrategy.strategy import conventions
+
+if TYPE_CHECKING:
+    from mpistrategy.strategy.environment import MPIEnvironment
+    from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy
+    from mpistrategy.strategy.mpi_ad import MPIADStrategy
+    from mpistrategy.strategy.pytorch_lightning import MPIADStrategy as PLStrategy
+    from mpistrategy.strategy.pytorch_lightning import MPIEnvironment as PLEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +95,42 @@ _lock = threading.Lock()
 _registered: set[str] = set()
 
 
+def _trainer_strategy(**options: Any) -> MPIADStrategy:
+    """``MPIADStrategy(**options)`` of :mod:`~mpistrategy.strategy.mpi_ad`: the ``lightning.pytorch`` factory."""
+    from mpistrategy.strategy.mpi_ad import MPIADStrategy
+
+    return MPIADStrategy(**options)
+
+
+def _pytorch_lightning_strategy(**options: Any) -> PLStrategy:
+    """``MPIADStrategy(**options)`` of :mod:`~mpistrategy.strategy.pytorch_lightning`: the ``pytorch_lightning``
+    factory."""
+    from mpistrategy.strategy.pytorch_lightning import MPIADStrategy
+
+    return MPIADStrategy(**options)
+
+
+def _fabric_strategy(**options: Any) -> MPIADFabricStrategy:
+    """``MPIADFabricStrategy(**options)``: the ``lightning.fabric`` factory."""
+    from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy
+
+    return MPIADFabricStrategy(**options)
+
+
+def _mpi_environment() -> MPIEnvironment:
+    """The MPI cluster environment of ``lightning.pytorch`` and ``lightning.fabric``."""
+    from mpistrategy.strategy.environment import MPIEnvironment
+
+    return MPIEnvironment()
+
+
+def _pytorch_lightning_environment() -> PLEnvironment:
+    """The MPI cluster environment of ``pytorch_lightning``."""
+    from mpistrategy.strategy.pytorch_lightning import MPIEnvironment
+
+    return MPIEnvironment()
+
+
 def register_lightning() -> None:
     """Register :data:`STRATEGIES` in ``lightning.pytorch``'s strategy registry (idempotent)."""
     from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -89,11 +138,8 @@ def register_lightning() -> None:
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
     from lightning.pytorch.trainer.connectors.logger_connector import result
 
-    from mpistrategy.strategy.environment import MPIEnvironment
-    from mpistrategy.strategy.mpi_ad import MPIADStrategy
-
-    _register(StrategyRegistry, MPIADStrategy, "lightning.pytorch")
-    _wrap_connector(_AcceleratorConnector, ClusterEnvironment, MPIEnvironment, "Trainer")
+    _register(StrategyRegistry, _trainer_strategy, "lightning.pytorch")
+    _wrap_connector(_AcceleratorConnector, ClusterEnvironment, _mpi_environment, "Trainer")
     conventions.hint_sync_dist(result)
 
 
@@ -104,10 +150,8 @@ def register_pytorch_lightning() -> None:
     from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
     from pytorch_lightning.trainer.connectors.logger_connector import result
 
-    from mpistrategy.strategy.pytorch_lightning import MPIADStrategy, MPIEnvironment
-
-    _register(StrategyRegistry, MPIADStrategy, "pytorch_lightning")
-    _wrap_connector(_AcceleratorConnector, ClusterEnvironment, MPIEnvironment, "Trainer")
+    _register(StrategyRegistry, _pytorch_lightning_strategy, "pytorch_lightning")
+    _wrap_connector(_AcceleratorConnector, ClusterEnvironment, _pytorch_lightning_environment, "Trainer")
     conventions.hint_sync_dist(result)
 
 
@@ -117,31 +161,28 @@ def register_fabric() -> None:
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    from mpistrategy.strategy.environment import MPIEnvironment
-    from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy
-
-    _register(STRATEGY_REGISTRY, MPIADFabricStrategy, "lightning.fabric")
-    _wrap_connector(_Connector, ClusterEnvironment, MPIEnvironment, "Fabric")
+    _register(STRATEGY_REGISTRY, _fabric_strategy, "lightning.fabric")
+    _wrap_connector(_Connector, ClusterEnvironment, _mpi_environment, "Fabric")
 
 
-def _register(registry: Any, strategy: type, package: str) -> None:
+def _register(registry: Any, factory: Callable[..., Any], package: str) -> None:
     with _lock:
         if package in _registered:
             return
         for name, entry in STRATEGIES.items():
             if name not in registry:
                 init_params = {} if name == NAME else {"sync": entry.sync}
-                registry.register(name, strategy, description=entry.description, **init_params)
+                registry.register(name, factory, description=entry.description, **init_params)
         _registered.add(package)
 
 
-def _wrap_connector(connector: type, base: type, environment: type, owner: str) -> None:
+def _wrap_connector(connector: type, base: type, environment: Callable[[], Any], owner: str) -> None:
     """The MPI environment for our names, and the launch flags passed on to our strategy (see the module doc)."""
     _prefer_mpi_environment(connector, base, environment)
     conventions.follow_launch_flags(connector, owner)
 
 
-def _prefer_mpi_environment(connector: Any, base: type, environment: type) -> None:
+def _prefer_mpi_environment(connector: Any, base: type, environment: Callable[[], Any]) -> None:
     """For our strategy names, choose the MPI environment instead of probing launchers (SLURM would raise)."""
     original = connector._choose_and_init_cluster_environment
     if getattr(original, "_mpistrategy", False):
@@ -165,25 +206,17 @@ _REGISTRARS: dict[str, Callable[[], None]] = {
 }
 
 
-_deferred: set[str] = set()
-
-
 def install() -> None:
-    """Set ``rank_zero_only`` from MPI and register :data:`STRATEGIES` with every Lightning package, now or on
-    import."""
+    """Set ``rank_zero_only`` from MPI and register :data:`STRATEGIES` with every Lightning package, now (those
+    already imported) or right after it is imported (an import hook)."""
     _set_rank_zero_only()
-    ready, waiting = [], {}
-    for package, registrar in _REGISTRARS.items():
-        module = sys.modules.get(package)
-        if module is not None and not _initialising(module):
-            ready.append(package)
-        else:
-            waiting[package] = registrar
+    waiting = {package: registrar for package, registrar in _REGISTRARS.items() if package not in sys.modules}
     # The hook goes in first: registering with one package may import the other.
     if waiting and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport(waiting))
-    for package in ready:
-        _attempt(package)
+    for package, registrar in _REGISTRARS.items():
+        if package not in waiting:
+            _safely(registrar, package)
 
 
 def _set_rank_zero_only() -> None:
@@ -199,37 +232,6 @@ def _set_rank_zero_only() -> None:
     rank_zero_only.rank = MPI.COMM_WORLD.Get_rank()  # type: ignore[attr-defined]  # set at run time
 
 
-def _initialising(module: ModuleType) -> bool:
-    spec = getattr(module, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
-
-
-def _attempt(package: str, finishing: str | None = None) -> None:
-    """Register with ``package`` now, or once the strategy modules being imported right now are complete.
-
-    Importing a strategy module imports Lightning, whose import hook lands here while that strategy module is
-    still half-initialised (its classes do not exist yet); the module then calls :func:`flush_deferred` as its
-    last statement (``finishing``: by then its classes exist, although Python still marks it as initialising).
-    """
-    busy = [
-        name
-        for name, module in list(sys.modules.items())
-        if name.startswith("mpistrategy.strategy.") and name not in (__name__, finishing) and _initialising(module)
-    ]
-    if busy:
-        _deferred.add(package)
-        return
-    _deferred.discard(package)
-    _safely(_REGISTRARS[package], package)
-
-
-def flush_deferred(finishing: str) -> None:
-    """Run the registrations that waited for strategy modules to finish importing (see :func:`_attempt`);
-    ``finishing`` is the module calling this as its last statement."""
-    for package in sorted(_deferred):
-        _attempt(package, finishing)
-
-
 def _safely(registrar: Callable[[], None], package: str) -> None:
     try:
         registrar()
@@ -238,7 +240,7 @@ def _safely(registrar: Callable[[], None], package: str) -> None:
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Import hook: after ``lightning.pytorch`` / ``pytorch_lightning`` is imported, register the strategy."""
+    """Import hook: right after a Lightning package of ``registrars`` is imported, its registrar runs."""
 
     def __init__(self, registrars: dict[str, Callable[[], None]]) -> None:
         self._registrars = dict(registrars)
@@ -256,18 +258,19 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        del self._registrars[fullname]
+        registrar = self._registrars.pop(fullname)
         if not self._registrars:
             sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
-        spec.loader = _LoaderThenRegister(spec.loader, fullname)
+        spec.loader = _LoaderThenRegister(spec.loader, registrar, fullname)
         return spec
 
 
 class _LoaderThenRegister(importlib.abc.Loader):
     """Delegates to the real loader, then registers (every other attribute comes from the real loader)."""
 
-    def __init__(self, loader: Any, package: str) -> None:
+    def __init__(self, loader: Any, registrar: Callable[[], None], package: str) -> None:
         self._loader = loader
+        self._registrar = registrar
         self._package = package
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
@@ -278,7 +281,7 @@ class _LoaderThenRegister(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        _attempt(self._package)
+        _safely(self._registrar, self._package)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)

@@ -45,6 +45,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBucket
@@ -65,8 +66,9 @@ class SyncContext:
         topology: ranks, nodes and their communicators.
         aggregator: the user's gradient aggregator, for the level that spans nodes (or the only level).
         traffic: where every byte sent is counted.
-        node_transport: ``"mpi"`` (the node's MPI communicator), ``"gloo"`` or ``"nccl"`` (a torch.distributed
-            group per node): how node-local gradient averaging travels.
+        node_transport: ``"auto"`` (NCCL for a model on CUDA with a GPU per rank, else MPI), ``"mpi"`` (the
+            node's MPI communicator), ``"gloo"`` or ``"nccl"`` (a torch.distributed group per node): how node-local
+            gradient averaging travels (see :mod:`mpistrategy.sync.transport`).
         optimizers: the optimizers stepped by the driver (modes that average parameters refuse several).
     """
 
@@ -74,8 +76,13 @@ class SyncContext:
     topology: Topology
     aggregator: Aggregator
     traffic: TrafficCounter = field(default_factory=TrafficCounter)
-    node_transport: str = "mpi"
+    node_transport: str = "auto"
     optimizers: list[Any] = field(default_factory=list)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (the CPU for a model without parameters)."""
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
 
 class SyncMode(ABC):

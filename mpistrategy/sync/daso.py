@@ -398,7 +398,7 @@ class DASO(SyncMode):
                 f"daso: averages the model after each optimizer step, which is ambiguous with "
                 f"{len(context.optimizers)} optimizers; use one optimizer."
             )
-        self.transport = node_transport(topology, context.node_transport)
+        self.transport = node_transport(topology, context.node_transport, context.device)
         self.node_mean = NodeMeanAggregator(self.transport)
         self.averager = ModelAverager(context.module, topology, context.traffic, "nodes", self.sending_chunk_size)
 

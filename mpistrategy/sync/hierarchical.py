@@ -23,7 +23,7 @@ class HierarchicalSync(SyncMode):
     def setup(self, context: SyncContext) -> None:
         super().setup(context)
         topology = context.topology
-        self.transport = node_transport(topology, context.node_transport)
+        self.transport = node_transport(topology, context.node_transport, context.device)
         scale = topology.num_nodes / topology.size
         self.aggregator = HierarchicalAggregator(self.transport, context.aggregator, topology.is_leader, scale)
 

@@ -35,7 +35,7 @@ class HierarchicalLocalSGD(LocalSGD):
     def setup(self, context: SyncContext) -> None:
         super().setup(context)
         topology = context.topology
-        self.transport = node_transport(topology, context.node_transport)
+        self.transport = node_transport(topology, context.node_transport, context.device)
         self.node_mean = NodeMeanAggregator(self.transport)
         scale = topology.num_nodes / topology.size
         self.hierarchical = HierarchicalAggregator(self.transport, context.aggregator, topology.is_leader, scale)

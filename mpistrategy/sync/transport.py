@@ -2,7 +2,10 @@
 
 Two kinds, chosen with ``node_transport``:
 
-- ``"mpi"`` (default): the node's MPI communicator (``Split_type(COMM_TYPE_SHARED)``), whose messages MPI moves
+- ``"auto"`` (default): ``"nccl"`` when the model is on CUDA, the node has more than one rank and every rank of the
+  node has a GPU of its own (NCCL refuses two ranks on one GPU); ``"mpi"`` otherwise. The ranks of a node agree
+  (:func:`choose_node_transport`), so every rank of a node picks the same kind.
+- ``"mpi"``: the node's MPI communicator (``Split_type(COMM_TYPE_SHARED)``), whose messages MPI moves
   through shared memory. CUDA tensors are staged through host memory unless MPI is CUDA-aware.
 - ``"gloo"`` / ``"nccl"``: a ``torch.distributed`` process group per node (NCCL for GPUs; gloo on the CPU). Its
   rendezvous is done over MPI: the node leader makes a private directory in the temporary directory
@@ -35,7 +38,7 @@ from mpistrategy.comm.buffers import mpi_buffer, needs_staging
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.topology import Topology
 
-NODE_TRANSPORTS = ("mpi", "gloo", "nccl")
+NODE_TRANSPORTS = ("auto", "mpi", "gloo", "nccl")
 
 
 class NodeTransport(ABC):
@@ -159,8 +162,33 @@ def _node_process_group(topology: Topology, backend: str, timeout_seconds: float
     return group, store
 
 
-def node_transport(topology: Topology, kind: str) -> NodeTransport:
-    """The node-local transport ``kind`` (one of :data:`NODE_TRANSPORTS`) for this process's node (collective)."""
+def choose_node_transport(gpus: list[str | None], nccl_available: bool) -> str:
+    """What ``node_transport="auto"`` picks for a node whose ranks hold the GPUs ``gpus`` (one entry per local rank:
+    the GPU's UUID, ``None`` for a model off CUDA): ``"nccl"`` when there are at least two ranks, every one on a GPU
+    of its own, and NCCL is available; ``"mpi"`` otherwise."""
+    own_gpus = all(gpu is not None for gpu in gpus) and len(set(gpus)) == len(gpus)
+    return "nccl" if nccl_available and len(gpus) > 1 and own_gpus else "mpi"
+
+
+def _gpu_identity(device: torch.device) -> str | None:
+    """The UUID of ``device``'s GPU (``None`` off CUDA): two ranks on one GPU have the same."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _nccl_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def node_transport(topology: Topology, kind: str, device: torch.device | None = None) -> NodeTransport:
+    """The node-local transport ``kind`` (one of :data:`NODE_TRANSPORTS`) for this process's node (collective);
+    ``device`` is where the model lives (for ``"auto"``)."""
+    if kind == "auto":
+        gpus = topology.node_comm.allgather(_gpu_identity(device or torch.device("cpu")))
+        kind = choose_node_transport(gpus, _nccl_available())
     if kind == "mpi":
         return MPINodeTransport(topology.node_gradients)
     if kind in ("gloo", "nccl"):

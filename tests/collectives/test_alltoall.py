@@ -16,19 +16,19 @@ COMM = MPI.COMM_WORLD
 DTYPES = [torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex128]
 
 
-def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     if actual.dtype in (torch.float16, torch.bfloat16):
         actual, expected = actual.contiguous().view(torch.int16), expected.contiguous().view(torch.int16)
     assert torch.equal(actual, expected)
 
 
-def send_plan(sender: int, receiver: int) -> int:
+def _send_plan(sender: int, receiver: int) -> int:
     """How many slices ``sender`` sends to ``receiver`` in the uneven tests (0 for some pairs, e.g. 0 -> 0)."""
     return (sender + 2 * receiver) % 3
 
 
-def reference(everyone: list[torch.Tensor], sizes: list[list[int]], dim: int) -> torch.Tensor:
+def _reference(everyone: list[torch.Tensor], sizes: list[list[int]], dim: int) -> torch.Tensor:
     """What this rank receives: block ``rank`` of every rank's tensor, in rank order."""
     return torch.cat([torch.split(x, sizes[s], dim=dim)[rank()] for s, x in enumerate(everyone)], dim=dim)
 
@@ -38,19 +38,19 @@ def test_alltoall_forward_and_adjoint(dim: int) -> None:
     x = strided(shape_along(dim % 2, 2 * size()), seed=1)
     assert not x.is_contiguous()
     out = ms.alltoall(x, dim=dim)
-    assert_bit_equal(out, reference(gather_reference(x), [[2] * size()] * size(), dim))
+    _assert_bit_equal(out, _reference(gather_reference(x), [[2] * size()] * size(), dim))
     assert_adjoint(lambda t: ms.alltoall(t, dim=dim), x, seed=1)
 
 
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("given", [False, True], ids=["learned", "given"])
 def test_alltoall_v_forward_and_adjoint(dim: int, given: bool) -> None:
-    plan = [[send_plan(s, r) for r in range(size())] for s in range(size())]
+    plan = [[_send_plan(s, r) for r in range(size())] for s in range(size())]
     sends = plan[rank()]
     receives = [plan[s][rank()] for s in range(size())] if given else None
     x = strided(shape_along(dim, sum(sends)), seed=2)
     out = ms.alltoall_v(x, sends, dim=dim, recv_sizes=receives)
-    assert_bit_equal(out, reference(gather_reference(x), plan, dim))
+    _assert_bit_equal(out, _reference(gather_reference(x), plan, dim))
     assert_adjoint(lambda t: ms.alltoall_v(t, sends, dim=dim, recv_sizes=receives), x, seed=2)
 
 
@@ -59,7 +59,7 @@ def test_alltoall_v_with_an_empty_rank() -> None:
     plan = [[0 if 0 in (s, r) else r + s for r in range(size())] for s in range(size())]
     x = strided((2, 3, sum(plan[rank()])), seed=3)
     out = ms.alltoall_v(x, plan[rank()], dim=2)
-    assert_bit_equal(out, reference(gather_reference(x), plan, 2))
+    _assert_bit_equal(out, _reference(gather_reference(x), plan, 2))
     assert_adjoint(lambda t: ms.alltoall_v(t, plan[rank()], dim=2), x, seed=3)
 
 
@@ -108,10 +108,10 @@ def test_gradcheck_alltoall_v_there_and_back() -> None:
 def test_dtypes_move_bit_exactly(dtype: torch.dtype) -> None:
     x = strided((2 * size(), 3), seed=7, dtype=dtype)
     everyone = gather_reference(x)
-    assert_bit_equal(ms.alltoall(x), reference(everyone, [[2] * size()] * size(), 0))
-    plan = [[send_plan(s, r) for r in range(size())] for s in range(size())]
+    _assert_bit_equal(ms.alltoall(x), _reference(everyone, [[2] * size()] * size(), 0))
+    plan = [[_send_plan(s, r) for r in range(size())] for s in range(size())]
     y = strided((3, sum(plan[rank()])), seed=8, dtype=dtype)
-    assert_bit_equal(ms.alltoall_v(y, plan[rank()], dim=1), reference(gather_reference(y), plan, 1))
+    _assert_bit_equal(ms.alltoall_v(y, plan[rank()], dim=1), _reference(gather_reference(y), plan, 1))
 
 
 # errors: every rank raises, none is left waiting

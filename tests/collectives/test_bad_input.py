@@ -15,19 +15,19 @@ import torch
 
 import mpistrategy as ms
 from mpistrategy import CommunicationError
-from mpistrategy.collectives import p2p
+from mpistrategy.collectives import _p2p_wire, p2p
 from tests.collectives.bad_inputs import CASES, STARTED, UNCAUGHT, culprit, left, rank, right, size
 
 REPO = Path(__file__).resolve().parents[2]
 UNCAUGHT_SECONDS = 30.0
 
 
-def message(error: BaseException) -> str:
+def _message(error: BaseException) -> str:
     """What a user reads: the message and its notes."""
     return "\n".join([str(error), *getattr(error, "__notes__", [])])
 
 
-def assert_in_step() -> None:
+def _assert_in_step() -> None:
     """The next collectives and messages pair as they should and return the right values."""
     total = ms.allreduce(torch.full((3,), float(rank() + 1)))
     assert torch.equal(total, torch.full((3,), size() * (size() + 1) / 2))
@@ -37,7 +37,7 @@ def assert_in_step() -> None:
     received = ms.sendrecv(torch.full((2,), float(rank())), right(rank()), left(rank()), tag=3)
     assert torch.equal(received, torch.full((2,), float(left(rank()))))
     p2p.wait_backward_sends()
-    assert not p2p._arriving and not p2p._detached_sends
+    assert not _p2p_wire.arriving and not _p2p_wire.detached_sends
 
 
 @pytest.mark.mpi(ranks=(2, 3))
@@ -49,12 +49,12 @@ def test_bad_input_on_one_rank_raises_on_every_rank(name: str) -> None:
         expected = case.error if bad else CommunicationError
         with pytest.raises(expected) as caught:
             case.call(bad)
-        text = message(caught.value)
+        text = _message(caught.value)
         assert case.op in text and f"rank {culprit()}" in text, text
     else:  # point-to-point: a rank the culprit sends nothing to gets its own message (if any) as usual
         result = case.call(bad)
         assert result is None or torch.equal(result, torch.ones(2 * size()))
-    assert_in_step()
+    _assert_in_step()
 
 
 @pytest.mark.mpi(ranks=(2, 3))
@@ -65,14 +65,14 @@ def test_sendrecv_with_an_invalid_src_tells_dst() -> None:
     if rank() == culprit():
         with pytest.raises(ValueError, match=f"src={size()} is not a rank") as caught:
             ms.sendrecv(x, right(rank()), size(), tag=5)
-        assert f"rank {right(rank())}, its peer, raises too" in message(caught.value)
+        assert f"rank {right(rank())}, its peer, raises too" in _message(caught.value)
         assert torch.equal(ms.recv(left(rank()), tag=5), torch.full((2,), float(left(rank()))))
     elif rank() == right(culprit()):
         with pytest.raises(CommunicationError, match=f"sendrecv: rank {culprit()} failed the checks.*src={size()}"):
             ms.sendrecv(x, right(rank()), left(rank()), tag=5)
     else:
         assert torch.equal(ms.sendrecv(x, right(rank()), left(rank()), tag=5), torch.full((2,), float(left(rank()))))
-    assert_in_step()
+    _assert_in_step()
 
 
 @pytest.mark.mpi(ranks=(2, 3))
@@ -82,10 +82,10 @@ def test_without_validation_a_local_problem_raises_on_its_rank_only() -> None:
     with ms.validation(False):
         with pytest.raises(TypeError) as caught:
             ms.allreduce(None)
-        assert "other ranks are not told" in message(caught.value) or size() == 1
+        assert "other ranks are not told" in _message(caught.value) or size() == 1
         value = ms.broadcast(torch.ones(3) if rank() == 0 else None, root=0)
     assert torch.equal(value, torch.ones(3))
-    assert_in_step()
+    _assert_in_step()
 
 
 @pytest.mark.parametrize("nranks", [2, 3])

@@ -16,13 +16,13 @@ COMM = MPI.COMM_WORLD
 DTYPES = [torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
 
 
-def roots() -> list[int]:
+def _roots() -> list[int]:
     return sorted({0, size() - 1})
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_broadcast_to_ranks_passing_none(requires_grad: bool) -> None:
-    for root in roots():
+    for root in _roots():
         x = strided((3, 2), seed=1).requires_grad_(requires_grad)
         out = ms.broadcast(x if rank() == root else None, root=root)
         expected = gather_reference(x)[root]
@@ -31,7 +31,7 @@ def test_broadcast_to_ranks_passing_none(requires_grad: bool) -> None:
 
 
 def test_broadcast_adjoint_with_none_on_non_roots() -> None:
-    for root in roots():
+    for root in _roots():
 
         def forward(t: torch.Tensor, root: int = root) -> torch.Tensor:
             return ms.broadcast(t if rank() == root else None, root=root)

@@ -13,7 +13,7 @@ from tests.adjoint import random_like_rank, rank, size
 pytestmark = pytest.mark.mpi(ranks=(2,), timeout=300)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -40,14 +40,14 @@ def test_compiled_module_with_allreduce_and_allgather_equals_eager() -> None:
         x = random_like_rank((3, 5), seed=10 + step)
         weight = random_like_rank((3, 4 * size()), seed=20 + step)  # a different loss on every rank
         expected, actual = eager(x), compiled(x)
-        assert_close(actual, expected)
+        _assert_close(actual, expected)
         (expected * weight).sum().backward()
         (actual * weight).sum().backward()
         for name, parameter in eager.named_parameters():
-            assert_close(compiled_copy.get_parameter(name).grad, parameter.grad)
+            _assert_close(compiled_copy.get_parameter(name).grad, parameter.grad)
 
 
-def every_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _every_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A loss through every family of ops: reductions (prod too), a non-blocking handle, broadcast, reduce with a
     placeholder, scatter, all-to-all and point-to-point."""
     root = size() - 1
@@ -66,9 +66,9 @@ def test_compiled_function_through_every_op_family_equals_eager() -> None:
     x = random_like_rank((2, 3), seed=30)
     w = random_like_rank((3, 3), seed=31)
     w_eager, w_compiled = w.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    expected = every_op(x, w_eager)
-    actual = torch.compile(every_op)(x, w_compiled)
-    assert_close(actual, expected)
+    expected = _every_op(x, w_eager)
+    actual = torch.compile(_every_op)(x, w_compiled)
+    _assert_close(actual, expected)
     expected.backward()
     actual.backward()
-    assert_close(w_compiled.grad, w_eager.grad)
+    _assert_close(w_compiled.grad, w_eager.grad)

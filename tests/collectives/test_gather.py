@@ -17,19 +17,19 @@ ROWS = {"r+1": lambda r: r + 1, "r (rank 0 empty)": lambda r: r}
 DTYPES = [torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """A view that compares bit patterns (so that -0.0, NaN and half precision compare exactly)."""
     if tensor.dtype in (torch.float16, torch.bfloat16):
         return tensor.contiguous().view(torch.int16)
     return tensor
 
 
-def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    assert torch.equal(bits(actual), bits(expected))
+    assert torch.equal(_bits(actual), _bits(expected))
 
 
-def split_reference(full: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
+def _split_reference(full: torch.Tensor, sizes: list[int], dim: int) -> list[torch.Tensor]:
     return list(torch.split(full, sizes, dim=dim))
 
 
@@ -46,7 +46,7 @@ def test_gather_forward_matches_reference(dim: int, where: str) -> None:
     out = ms.gather(x, root=root, dim=dim)
     expected = torch.cat(gather_reference(x), dim=dim)
     if rank() == root:
-        assert_bit_equal(out, expected)
+        _assert_bit_equal(out, expected)
     else:
         assert isinstance(out, Placeholder)
         assert out.holder == root and out.shape == expected.shape and out.dtype == expected.dtype
@@ -69,7 +69,7 @@ def test_gather_v_forward_and_adjoint(rows: str, dim: int, given: bool) -> None:
     out = ms.gather_v(x, root=root, dim=dim, sizes=sizes)
     expected = torch.cat(gather_reference(x), dim=dim)
     if rank() == root:
-        assert_bit_equal(out, expected)
+        _assert_bit_equal(out, expected)
     else:
         assert isinstance(out, Placeholder) and out.shape == expected.shape
     assert_adjoint(lambda t: ms.gather_v(t, root=root, dim=dim, sizes=sizes), x, seed=3)
@@ -107,7 +107,7 @@ def test_scatter_forward_matches_reference(dim: int) -> None:
     full = strided(shape_along(dim % 2, 2 * size()), seed=5).requires_grad_(True)
     out = ms.scatter(full if rank() == root else None, root=root, dim=dim)
     expected = torch.chunk(gather_reference(full)[root], size(), dim=dim)[rank()]
-    assert_bit_equal(out.detach(), expected)
+    _assert_bit_equal(out.detach(), expected)
     assert out.requires_grad  # requires_grad travelled from the root
 
 
@@ -138,8 +138,8 @@ def test_scatter_v_forward_and_adjoint(dim: int, pattern: str) -> None:
         return ms.scatter_v(t if rank() == root else None, root=root, dim=dim, sizes=sizes if rank() == root else [-1])
 
     out = forward(full)
-    expected = split_reference(gather_reference(full)[root], expected_sizes, dim)[rank()]
-    assert_bit_equal(out, expected)
+    expected = _split_reference(gather_reference(full)[root], expected_sizes, dim)[rank()]
+    _assert_bit_equal(out, expected)
     assert_adjoint(forward, full, seed=7)
 
 
@@ -171,7 +171,7 @@ def test_scatter_under_no_grad_on_the_root_needs_no_backward() -> None:
 def test_allgather_forward_and_adjoint(dim: int) -> None:
     x = strided(shape_along(dim % 2, 2), seed=9)
     out = ms.allgather(x, dim=dim)
-    assert_bit_equal(out, torch.cat(gather_reference(x), dim=dim))
+    _assert_bit_equal(out, torch.cat(gather_reference(x), dim=dim))
     assert_adjoint(lambda t: ms.allgather(t, dim=dim), x, seed=9)
 
 
@@ -183,7 +183,7 @@ def test_allgather_v_forward_and_adjoint(rows: str, dim: int, given: bool) -> No
     sizes = lengths if given else None
     x = strided(shape_along(dim, lengths[rank()]), seed=10)
     out = ms.allgather_v(x, dim=dim, sizes=sizes)
-    assert_bit_equal(out, torch.cat(gather_reference(x), dim=dim))
+    _assert_bit_equal(out, torch.cat(gather_reference(x), dim=dim))
     assert_adjoint(lambda t: ms.allgather_v(t, dim=dim, sizes=sizes), x, seed=10)
 
 
@@ -245,14 +245,14 @@ def test_dtypes_move_bit_exactly(dtype: torch.dtype) -> None:
     everyone = gather_reference(x)
     gathered = ms.gather(x, root=root, dim=1)
     if rank() == root:
-        assert_bit_equal(gathered, torch.cat(everyone, dim=1))
-    assert_bit_equal(ms.allgather(x, dim=1), torch.cat(everyone, dim=1))
-    assert_bit_equal(ms.allgather_v(x[: rank() % 2 + 1]), torch.cat([t[: r % 2 + 1] for r, t in enumerate(everyone)]))
+        _assert_bit_equal(gathered, torch.cat(everyone, dim=1))
+    _assert_bit_equal(ms.allgather(x, dim=1), torch.cat(everyone, dim=1))
+    _assert_bit_equal(ms.allgather_v(x[: rank() % 2 + 1]), torch.cat([t[: r % 2 + 1] for r, t in enumerate(everyone)]))
     full = strided((size(), 3), seed=15, dtype=dtype)
     root_full = gather_reference(full)[root]
-    assert_bit_equal(ms.scatter(full if rank() == root else None, root=root), root_full[rank() : rank() + 1])
+    _assert_bit_equal(ms.scatter(full if rank() == root else None, root=root), root_full[rank() : rank() + 1])
     part = ms.scatter_v(full if rank() == root else None, root=root, dim=1, sizes=[3] + [0] * (size() - 1))
-    assert_bit_equal(part, root_full if rank() == 0 else root_full[:, :0])
+    _assert_bit_equal(part, root_full if rank() == 0 else root_full[:, :0])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,11 +13,11 @@ from tests.adjoint import gather_reference, rank, size, strided
 pytestmark = pytest.mark.mpi
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
-def largest_allocation(run) -> int:
+def _largest_allocation(run) -> int:
     """The largest CPU allocation (bytes) made while ``run()`` executes."""
     with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
@@ -36,7 +36,7 @@ def test_allreduce_writes_into_out(op: str, layout: str) -> None:
     pointer = out.data_ptr()
     result = ms.allreduce(x, op, out=out)
     assert result is out and out.data_ptr() == pointer
-    assert_close(out, expected)
+    _assert_close(out, expected)
 
 
 def test_allreduce_out_in_bfloat16_is_reduced_in_float32() -> None:
@@ -52,10 +52,10 @@ def test_allreduce_and_allgather_into_out_allocate_no_result_buffer() -> None:
     nbytes = x.numel() * x.element_size()
     reduced = torch.empty_like(x)
     gathered = torch.empty(size() * x.numel(), dtype=torch.float64)
-    assert largest_allocation(lambda: ms.allreduce(x, out=reduced)) < nbytes
-    assert largest_allocation(lambda: ms.allgather(x, out=gathered)) < nbytes
-    assert_close(reduced, torch.full_like(x, size() * (size() + 1) / 2))
-    assert_close(gathered, torch.arange(1, size() + 1, dtype=torch.float64).repeat_interleave(x.numel()))
+    assert _largest_allocation(lambda: ms.allreduce(x, out=reduced)) < nbytes
+    assert _largest_allocation(lambda: ms.allgather(x, out=gathered)) < nbytes
+    _assert_close(reduced, torch.full_like(x, size() * (size() + 1) / 2))
+    _assert_close(gathered, torch.arange(1, size() + 1, dtype=torch.float64).repeat_interleave(x.numel()))
 
 
 def test_broadcast_into_out_on_receivers_and_in_place_on_the_root() -> None:
@@ -78,7 +78,7 @@ def test_allgather_writes_into_out(dim: int) -> None:
     out = torch.empty(expected.shape, dtype=torch.float64)
     pointer = out.data_ptr()
     assert ms.allgather(x, dim, out=out) is out and out.data_ptr() == pointer
-    assert_close(out, expected)
+    _assert_close(out, expected)
 
 
 def test_out_with_autograd_raises_on_every_rank() -> None:

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import mpistrategy as ms
 from mpistrategy import CommunicationError, Placeholder
-from mpistrategy.collectives import p2p
+from mpistrategy.collectives import _p2p_wire, p2p
 from mpistrategy.comm.buffers import DTYPE_CODES
 from tests.adjoint import assert_adjoint, random_like_rank, rank, rank_generator, size
 
@@ -27,11 +27,11 @@ LARGE = 1 << 20
 SIZES = {"small": (3, 5), "rendezvous": (LARGE,)}
 
 
-def right() -> int:
+def _right() -> int:
     return (rank() + 1) % size()
 
 
-def left() -> int:
+def _left() -> int:
     return (rank() - 1) % size()
 
 
@@ -40,23 +40,23 @@ def _no_leftovers():
     """Every test leaves no queued receive and no gradient send in flight."""
     yield
     p2p.wait_backward_sends()
-    assert not p2p._arriving, "a receive is still queued"
-    assert not p2p._self_sent, "a message to the own rank is counted as not received"
-    assert not p2p._detached_sends
+    assert not _p2p_wire.arriving, "a receive is still queued"
+    assert not _p2p_wire.self_sent, "a message to the own rank is counted as not received"
+    assert not _p2p_wire.detached_sends
     COMM.Barrier()
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes, so that NaN, -0.0 and half precision compare exactly."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    assert torch.equal(bits(actual), bits(expected))
+    assert torch.equal(_bits(actual), _bits(expected))
 
 
-def rank_tensor(source: int, dtype: torch.dtype, shape: tuple[int, int] = (4, 6)) -> torch.Tensor:
+def _rank_tensor(source: int, dtype: torch.dtype, shape: tuple[int, int] = (4, 6)) -> torch.Tensor:
     """What rank ``source`` sends in the dtype tests: reproducible on every rank, with special values."""
     generator = torch.Generator().manual_seed(17 + source)
     values = torch.randn(shape, dtype=torch.float64, generator=generator) * 100
@@ -82,11 +82,11 @@ def test_send_recv_ring_adjoint(shape):
     # Rank 0 sends first and the others receive first, so the blocking ring completes.
     def forward(x):
         if rank() == 0:
-            placeholder = ms.send(x, right(), tag=3)
-            y = ms.recv(left(), tag=3)
+            placeholder = ms.send(x, _right(), tag=3)
+            y = ms.recv(_left(), tag=3)
         else:
-            y = ms.recv(left(), tag=3)
-            placeholder = ms.send(x * 2, right(), tag=3)
+            y = ms.recv(_left(), tag=3)
+            placeholder = ms.send(x * 2, _right(), tag=3)
         assert isinstance(placeholder, Placeholder) and placeholder.requires_grad
         return y + placeholder
 
@@ -107,8 +107,8 @@ def test_sendrecv_both_directions_adjoint(shape):
     """Two sendrecvs in opposite directions: their backwards send and receive in both directions at once."""
 
     def forward(x):
-        y = ms.sendrecv(x, right(), left(), tag=1)
-        z = ms.sendrecv(x * (1 + rank()), left(), right(), tag=1)
+        y = ms.sendrecv(x, _right(), _left(), tag=1)
+        z = ms.sendrecv(x * (1 + rank()), _left(), _right(), tag=1)
         return y + 3 * z
 
     assert_adjoint(forward, random_like_rank(shape, seed=3), seed=3)
@@ -119,10 +119,10 @@ def test_sendrecv_both_directions_adjoint(shape):
 def test_isend_irecv_both_directions_adjoint(order, shape):
     # On 2 ranks right() == left(): both messages go to the same peer with the same tag and must match in order.
     def forward(x):
-        to_right = ms.isend(x, right(), tag=5)
-        to_left = ms.isend(x * (2 + rank()), left(), tag=5)
-        from_left = ms.irecv(left(), tag=5)
-        from_right = ms.irecv(right(), tag=5)
+        to_right = ms.isend(x, _right(), tag=5)
+        to_left = ms.isend(x * (2 + rank()), _left(), tag=5)
+        from_left = ms.irecv(_left(), tag=5)
+        from_right = ms.irecv(_right(), tag=5)
         if order == "sends first":
             placeholders = [to_right.wait(), to_left.wait()]
             received = [from_left.wait(), from_right.wait()]
@@ -143,13 +143,13 @@ def test_mixed_requires_grad_sendrecv():
     """Only even ranks' tensors require grad: gradients flow exactly where a sender asked for them."""
     shape = (4, 3)
     x = random_like_rank(shape, seed=5).requires_grad_(rank() % 2 == 0)
-    y = ms.sendrecv(x, right(), left())
-    assert y.requires_grad == (rank() % 2 == 0 or left() % 2 == 0)
+    y = ms.sendrecv(x, _right(), _left())
+    assert y.requires_grad == (rank() % 2 == 0 or _left() % 2 == 0)
     weight = torch.randn(shape, dtype=torch.float64, generator=rank_generator(6))
     if y.requires_grad:
         (y * weight).sum().backward()
     if x.requires_grad:
-        expected = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6000 + right()))
+        expected = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6000 + _right()))
         torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
 
 
@@ -181,21 +181,21 @@ def test_backward_passes_in_different_orders():
 
 @pytest.mark.parametrize("dtype", DTYPE_CODES, ids=str)
 def test_dtype_round_trip_bit_exact(dtype):
-    sent = rank_tensor(rank(), dtype)
-    received = ms.sendrecv(sent.t(), right(), left())  # a non-contiguous input
-    assert_bit_equal(received, rank_tensor(left(), dtype).t())
+    sent = _rank_tensor(rank(), dtype)
+    received = ms.sendrecv(sent.t(), _right(), _left())  # a non-contiguous input
+    _assert_bit_equal(received, _rank_tensor(_left(), dtype).t())
 
     if rank() == 0:
-        ms.send(sent.t(), right(), tag=9)
-        received = ms.recv(left(), tag=9)
+        ms.send(sent.t(), _right(), tag=9)
+        received = ms.recv(_left(), tag=9)
     else:
-        received = ms.recv(left(), tag=9)
-        ms.send(sent.t(), right(), tag=9)
-    assert_bit_equal(received, rank_tensor(left(), dtype).t())
+        received = ms.recv(_left(), tag=9)
+        ms.send(sent.t(), _right(), tag=9)
+    _assert_bit_equal(received, _rank_tensor(_left(), dtype).t())
 
-    handle = ms.irecv(left(), tag=9)
-    ms.isend(sent[:, ::2], right(), tag=9).wait()
-    assert_bit_equal(handle.wait(), rank_tensor(left(), dtype)[:, ::2])
+    handle = ms.irecv(_left(), tag=9)
+    ms.isend(sent[:, ::2], _right(), tag=9).wait()
+    _assert_bit_equal(handle.wait(), _rank_tensor(_left(), dtype)[:, ::2])
 
 
 CASES = {
@@ -217,21 +217,21 @@ def test_receiver_learns_shape_dtype_requires_grad(dtype, shape, requires_grad, 
     expected_grad = requires_grad and grad_mode
     with torch.set_grad_enabled(grad_mode):
         if rank() == 0:
-            placeholder = ms.send(tensor, right(), tag=2)
-            received = ms.recv(left(), tag=2)
+            placeholder = ms.send(tensor, _right(), tag=2)
+            received = ms.recv(_left(), tag=2)
         else:
-            received = ms.recv(left(), tag=2)
-            placeholder = ms.send(tensor, right(), tag=2)
-        exchanged = ms.sendrecv(tensor, right(), left(), tag=2)
-        handle = ms.irecv(left(), tag=2, device="cpu")
-        isent = ms.isend(tensor, right(), tag=2).wait()
+            received = ms.recv(_left(), tag=2)
+            placeholder = ms.send(tensor, _right(), tag=2)
+        exchanged = ms.sendrecv(tensor, _right(), _left(), tag=2)
+        handle = ms.irecv(_left(), tag=2, device="cpu")
+        isent = ms.isend(tensor, _right(), tag=2).wait()
         ireceived = handle.wait()
     for result in (received, exchanged, ireceived):
         assert result.shape == torch.Size(shape) and result.dtype == dtype and result.device.type == "cpu"
         assert result.requires_grad == expected_grad
         assert torch.equal(result, torch.ones(shape, dtype=dtype))
     for sent, op in ((placeholder, "send"), (isent, "isend")):
-        assert (sent.op, sent.holder, sent.shape, sent.dtype) == (op, right(), torch.Size(shape), dtype)
+        assert (sent.op, sent.holder, sent.shape, sent.dtype) == (op, _right(), torch.Size(shape), dtype)
         assert sent.requires_grad == expected_grad
     if expected_grad:  # every rank takes part in backward of its messages
         (received.sum() + exchanged.sum() + ireceived.sum() + placeholder + isent).backward()
@@ -242,27 +242,27 @@ def test_messages_with_one_tag_arrive_in_order():
     """Messages from one source with one tag, of different shapes and dtypes, received by a mix of irecv and
     recv, waited for out of order: each gets the message MPI would match it with (the order of the calls)."""
     messages = [torch.arange(3.0), torch.ones(2, 5, dtype=torch.int32), torch.zeros(LARGE), torch.tensor(7.0)]
-    sends = [ms.isend(m * (1 + rank()), right(), tag=4) for m in messages]
-    first = ms.irecv(left(), tag=4)
-    second = ms.irecv(left(), tag=4)
-    third = ms.recv(left(), tag=4)
-    fourth = ms.irecv(left(), tag=4)
+    sends = [ms.isend(m * (1 + rank()), _right(), tag=4) for m in messages]
+    first = ms.irecv(_left(), tag=4)
+    second = ms.irecv(_left(), tag=4)
+    third = ms.recv(_left(), tag=4)
+    fourth = ms.irecv(_left(), tag=4)
     received = [first, second, third, fourth]
     for index in (3, 1, 0):
         received[index] = received[index].wait()
     for sent in sends:
         assert isinstance(sent.wait(), Placeholder)
     for got, message in zip(received, messages, strict=True):
-        assert_bit_equal(got, message * (1 + left()))
+        _assert_bit_equal(got, message * (1 + _left()))
 
 
 def test_test_polls_without_blocking():
-    receive = ms.irecv(left(), tag=6)
-    send = ms.isend(torch.full((LARGE,), float(rank())), right(), tag=6)
+    receive = ms.irecv(_left(), tag=6)
+    send = ms.isend(torch.full((LARGE,), float(rank())), _right(), tag=6)
     while not (receive.test() & send.test()):  # both polled every round
         pass
     assert receive.is_completed() and send.is_completed()
-    assert torch.equal(receive.wait(), torch.full((LARGE,), float(left())))
+    assert torch.equal(receive.wait(), torch.full((LARGE,), float(_left())))
     assert isinstance(send.wait(), Placeholder)
 
 
@@ -320,10 +320,10 @@ def test_blocking_self_messages_that_would_wait_forever_are_refused():
 def test_no_gradient_messages_without_grad():
     # Neither side runs a backward: nothing must be left waiting.
     x = torch.arange(4.0)
-    y = ms.sendrecv(x, right(), left())
+    y = ms.sendrecv(x, _right(), _left())
     assert not y.requires_grad
-    ms.isend(x, right()).wait().backward()  # a no-op for a placeholder without grad
-    assert not ms.irecv(left()).wait().requires_grad
+    ms.isend(x, _right()).wait().backward()  # a no-op for a placeholder without grad
+    assert not ms.irecv(_left()).wait().requires_grad
 
 
 def test_wrapped_subcommunicator():
@@ -346,7 +346,7 @@ def test_wrapped_subcommunicator():
 # other checks fail sends its dst a failure notice in place of the message, which the matching receive raises.
 
 
-def unaddressed_calls(x: torch.Tensor) -> list[tuple[type[Exception], str, Callable[[], object]]]:
+def _unaddressed_calls(x: torch.Tensor) -> list[tuple[type[Exception], str, Callable[[], object]]]:
     ub = COMM.Get_attr(MPI.TAG_UB)
     return [
         (ValueError, rf"dst={size()} is not a rank .* between 0 and {size() - 1}", lambda: ms.send(x, size())),
@@ -356,37 +356,37 @@ def unaddressed_calls(x: torch.Tensor) -> list[tuple[type[Exception], str, Calla
         (ValueError, r"src=MPI.ANY_SOURCE is not supported", lambda: ms.irecv(MPI.ANY_SOURCE)),
         (ValueError, rf"dst={rank()} is this rank itself.*sendrecv", lambda: ms.send(x, rank())),
         (ValueError, rf"src={rank()} is this rank itself", lambda: ms.recv(rank())),
-        (ValueError, rf"tag=-1 is not a valid tag; pass an int between 0 and {ub}", lambda: ms.send(x, right(), -1)),
-        (ValueError, r"tag=.* is not a valid tag", lambda: ms.irecv(left(), tag=ub + 1)),
-        (ValueError, r"tag=.* is not a valid tag", lambda: ms.recv(left(), tag=MPI.ANY_TAG)),
-        (ValueError, r"tag=1\.5 is not a valid tag", lambda: ms.sendrecv(x, right(), left(), tag=1.5)),
+        (ValueError, rf"tag=-1 is not a valid tag; pass an int between 0 and {ub}", lambda: ms.send(x, _right(), -1)),
+        (ValueError, r"tag=.* is not a valid tag", lambda: ms.irecv(_left(), tag=ub + 1)),
+        (ValueError, r"tag=.* is not a valid tag", lambda: ms.recv(_left(), tag=MPI.ANY_TAG)),
+        (ValueError, r"tag=1\.5 is not a valid tag", lambda: ms.sendrecv(x, _right(), _left(), tag=1.5)),
     ]
 
 
-def failed_sends(x: torch.Tensor) -> list[tuple[type[Exception], str, Callable[[], object]]]:
+def _failed_sends(x: torch.Tensor) -> list[tuple[type[Exception], str, Callable[[], object]]]:
     """Sends to ``right()`` (tag 0) whose checks fail; each leaves a failure notice for it."""
     return [
-        (TypeError, r"send: expected a torch.Tensor", lambda: ms.send([1.0, 2.0], right())),
-        (TypeError, r"cannot be communicated", lambda: ms.send(torch.zeros(2, dtype=torch.uint16), right())),
-        (ValueError, r"more than 12 dimensions", lambda: ms.isend(torch.zeros((1,) * 13), right())),
-        (ValueError, r"meta device", lambda: ms.isend(torch.zeros(2, device="meta"), right())),
-        (ValueError, rf"src={size() + 3} is not a rank", lambda: ms.sendrecv(x, right(), size() + 3)),
+        (TypeError, r"send: expected a torch.Tensor", lambda: ms.send([1.0, 2.0], _right())),
+        (TypeError, r"cannot be communicated", lambda: ms.send(torch.zeros(2, dtype=torch.uint16), _right())),
+        (ValueError, r"more than 12 dimensions", lambda: ms.isend(torch.zeros((1,) * 13), _right())),
+        (ValueError, r"meta device", lambda: ms.isend(torch.zeros(2, device="meta"), _right())),
+        (ValueError, rf"src={size() + 3} is not a rank", lambda: ms.sendrecv(x, _right(), size() + 3)),
     ]
 
 
 def test_errors_raise_on_every_rank_and_failed_sends_tell_their_receivers():
     x = torch.ones(3, requires_grad=True)
-    for error, pattern, call in unaddressed_calls(x):
+    for error, pattern, call in _unaddressed_calls(x):
         with pytest.raises(error, match=pattern):
             call()
-    assert not p2p._arriving
-    for error, pattern, call in failed_sends(x):
+    assert not _p2p_wire.arriving
+    for error, pattern, call in _failed_sends(x):
         with pytest.raises(error, match=pattern) as caught:
             call()
-        assert f"rank {right()}, its peer, raises too" in "".join(getattr(caught.value, "__notes__", []))
-        with pytest.raises(CommunicationError, match=rf"recv: rank {left()} failed the checks .*{pattern}"):
-            ms.recv(left())
-    assert not p2p._arriving
+        assert f"rank {_right()}, its peer, raises too" in "".join(getattr(caught.value, "__notes__", []))
+        with pytest.raises(CommunicationError, match=rf"recv: rank {_left()} failed the checks .*{pattern}"):
+            ms.recv(_left())
+    assert not _p2p_wire.arriving
 
 
 @pytest.mark.parametrize("culprit", [0, -1])
@@ -396,25 +396,25 @@ def test_errors_on_one_rank_do_not_hang_the_others(culprit):
     and leaves no queued receive)."""
     x = torch.arange(3.0, requires_grad=True)
     if rank() == culprit % size():
-        for error, pattern, call in unaddressed_calls(x) + failed_sends(x):
+        for error, pattern, call in _unaddressed_calls(x) + _failed_sends(x):
             with pytest.raises(error, match=pattern):
                 call()
-    elif left() == culprit % size():
-        for _ in failed_sends(x):
-            with pytest.raises(CommunicationError, match=f"rank {left()} failed the checks"):
-                ms.irecv(left()).wait()
-    y = ms.sendrecv(x * (1 + rank()), right(), left(), tag=8)
-    assert torch.equal(y, torch.arange(3.0) * (1 + left()))
+    elif _left() == culprit % size():
+        for _ in _failed_sends(x):
+            with pytest.raises(CommunicationError, match=f"rank {_left()} failed the checks"):
+                ms.irecv(_left()).wait()
+    y = ms.sendrecv(x * (1 + rank()), _right(), _left(), tag=8)
+    assert torch.equal(y, torch.arange(3.0) * (1 + _left()))
     (y * (1 + rank())).sum().backward()
-    assert torch.equal(x.grad, torch.full((3,), float((1 + rank()) * (1 + right()))))
+    assert torch.equal(x.grad, torch.full((3,), float((1 + rank()) * (1 + _right()))))
 
 
 def test_unwrapped_communicator_is_refused():
     dup = COMM.Dup()
     try:
         with pytest.raises(ValueError, match=r"mpistrategy.Communicator\(comm\) on every rank"):
-            ms.send(torch.ones(2), right(), comm=dup)
+            ms.send(torch.ones(2), _right(), comm=dup)
         with pytest.raises(ValueError, match=r"mpistrategy.Communicator\(comm\) on every rank"):
-            ms.irecv(left(), comm=dup)
+            ms.irecv(_left(), comm=dup)
     finally:
         dup.Free()

@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import mpistrategy as ms
-from mpistrategy.collectives import p2p
+from mpistrategy.collectives import _p2p_wire, p2p
 
 pytestmark = pytest.mark.mpi(ranks=(2, 3, 4))
 
@@ -27,7 +27,7 @@ STEPS = 3
 TOLERANCE = {"rtol": 0.0, "atol": 1e-12}
 
 
-def blocks() -> list[torch.nn.Module]:
+def _blocks() -> list[torch.nn.Module]:
     """The MLP as a list of blocks (Linear + Tanh, the last Linear alone), float64, seeded identically."""
     torch.manual_seed(0)
     layers = []
@@ -38,14 +38,14 @@ def blocks() -> list[torch.nn.Module]:
     return layers
 
 
-def stage_blocks(count: int, stages: int, stage: int) -> range:
+def _stage_blocks(count: int, stages: int, stage: int) -> range:
     """Which blocks stage ``stage`` of ``stages`` holds: contiguous, the first stages one longer."""
     base, extra = divmod(count, stages)
     start = stage * base + min(stage, extra)
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
     total = MICRO_BATCHES * MICRO_BATCH_SIZE
     inputs = torch.randn(total, WIDTHS[0], dtype=torch.float64, generator=generator)
@@ -53,7 +53,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
-def schedule(name: str, stages: int, stage: int) -> list[tuple[str, int]]:
+def _schedule(name: str, stages: int, stage: int) -> list[tuple[str, int]]:
     """The order of forward ("F", k) and backward ("B", k) work on micro-batches k for one stage."""
     forwards = [("F", k) for k in range(MICRO_BATCHES)]
     if name == "gpipe":  # all forwards, then all backwards, last micro-batch first
@@ -72,8 +72,8 @@ def test_pipeline_matches_unsplit_model(schedule_name):
     stages, stage = COMM.Get_size(), COMM.Get_rank()
     first, last = stage == 0, stage == stages - 1
 
-    reference = torch.nn.Sequential(*blocks())
-    mine = stage_blocks(len(reference), stages, stage)
+    reference = torch.nn.Sequential(*_blocks())
+    mine = _stage_blocks(len(reference), stages, stage)
     model = torch.nn.Sequential(*(copy.deepcopy(reference[index]) for index in mine))
     reference_blocks = [reference[index] for index in mine]
 
@@ -83,7 +83,7 @@ def test_pipeline_matches_unsplit_model(schedule_name):
     reference_optimizer, stage_optimizer = optimizer(reference), optimizer(model)
 
     for step in range(STEPS):
-        inputs, targets = batch(step)
+        inputs, targets = _batch(step)
 
         # Reference: the whole model on the whole batch (the mean loss is the mean of the micro-batch means).
         reference_optimizer.zero_grad()
@@ -92,7 +92,7 @@ def test_pipeline_matches_unsplit_model(schedule_name):
         # Pipeline: micro-batch k carries tag k.
         stage_optimizer.zero_grad()
         pending = {}
-        for kind, k in schedule(schedule_name, stages, stage):
+        for kind, k in _schedule(schedule_name, stages, stage):
             rows = slice(k * MICRO_BATCH_SIZE, (k + 1) * MICRO_BATCH_SIZE)
             if kind == "F":
                 activation = inputs[rows] if first else ms.recv(stage - 1, tag=k)
@@ -117,5 +117,5 @@ def test_pipeline_matches_unsplit_model(schedule_name):
             torch.testing.assert_close(parameter, reference_parameter, **TOLERANCE)
 
     p2p.wait_backward_sends()
-    assert not p2p._arriving
+    assert not _p2p_wire.arriving
     COMM.Barrier()

@@ -22,7 +22,7 @@ OPS = {
 }
 
 
-def expected(op: str, local: torch.Tensor) -> torch.Tensor:
+def _expected(op: str, local: torch.Tensor) -> torch.Tensor:
     every = gather_reference(local)
     if op == "allreduce":
         return torch.stack(every).sum(0)
@@ -38,7 +38,7 @@ def test_results_held_at_once_never_share_memory(op: str) -> None:
     inputs = [random_like_rank((N * size(),), seed) for seed in range(6)]
     results = [OPS[op](x) for x in inputs]  # all alive together
     for x, result in zip(inputs, results, strict=True):
-        torch.testing.assert_close(result, expected(op, x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result, _expected(op, x), rtol=1e-12, atol=1e-12)
     addresses = {result.data_ptr() for result in results}
     assert len(addresses) == len(results)
 
@@ -56,7 +56,7 @@ def test_a_released_result_is_received_into_again() -> None:
     del first
     again = ms.allreduce(x)
     assert again.data_ptr() == address
-    torch.testing.assert_close(again, expected("allreduce", x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(again, _expected("allreduce", x), rtol=1e-12, atol=1e-12)
     assert receive_pool.held_bytes >= N * 8
 
 

@@ -21,12 +21,12 @@ pytestmark = pytest.mark.mpi
 COMM = MPI.COMM_WORLD
 
 
-def stacked(local: torch.Tensor) -> torch.Tensor:
+def _stacked(local: torch.Tensor) -> torch.Tensor:
     """Every rank's ``local``, stacked along a new first dimension (the single-process reference input)."""
     return torch.stack(gather_reference(local))
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -38,12 +38,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_allreduce_sum_avg_forward_and_adjoint(op: str) -> None:
     x = strided((3, 2), seed=1)
     out = ms.allreduce(x, op)
-    expected = stacked(x).sum(0) / (size() if op == "avg" else 1)
-    assert_close(out, expected)
+    expected = _stacked(x).sum(0) / (size() if op == "avg" else 1)
+    _assert_close(out, expected)
     assert_adjoint(lambda t: ms.allreduce(t, op), x, seed=1)
 
 
-def ties(seed: int) -> torch.Tensor:
+def _ties(seed: int) -> torch.Tensor:
     """Small integers as float64, so that several ranks often hold the same extremum; [0, 0] ties on all ranks."""
     x = torch.randint(0, 3, (4, 3), generator=torch.Generator().manual_seed(100 * seed + rank())).double()
     x[0, 0] = 7.0
@@ -53,22 +53,22 @@ def ties(seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_allreduce_max_min_gradient_goes_to_the_lowest_owner(op: str) -> None:
-    x = ties(seed=2).requires_grad_(True)
+    x = _ties(seed=2).requires_grad_(True)
     y = random_like_rank((4, 3), seed=3)
     out = ms.allreduce(x, op)
     out.backward(y)
-    inputs, cotangents = stacked(x.detach()), stacked(y)
+    inputs, cotangents = _stacked(x.detach()), _stacked(y)
     extreme = inputs.amax(0) if op == "max" else inputs.amin(0)
     assert torch.equal(out.detach(), extreme)
     owner = (inputs == extreme).int().argmax(0)  # the first (lowest) rank holding the extremum
     expected = torch.where(owner == rank(), cotangents.sum(0), torch.zeros(4, 3, dtype=torch.float64))
-    assert_close(x.grad, expected)  # includes [0, 0] and [0, 1], tied on every rank: rank 0 owns them
+    _assert_close(x.grad, expected)  # includes [0, 0] and [0, 1], tied on every rank: rank 0 owns them
 
 
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_allreduce_max_min_adjoint(op: str) -> None:
     """max and min are positively homogeneous, so the dot-product identity holds for them too."""
-    assert_adjoint(lambda t: ms.allreduce(t, op), ties(seed=4), seed=4)
+    assert_adjoint(lambda t: ms.allreduce(t, op), _ties(seed=4), seed=4)
 
 
 @pytest.mark.parametrize("op", ["sum", "avg"])
@@ -98,15 +98,15 @@ def test_half_precision_sums_are_exact(dtype: torch.dtype) -> None:
 
 def test_bool_max_min_are_logical_or_and() -> None:
     x = random_like_rank((5, 2), seed=6) > 0
-    everyone = stacked(x)
+    everyone = _stacked(x)
     assert torch.equal(ms.allreduce(x, "max"), everyone.any(0))
     assert torch.equal(ms.allreduce(x, "min"), everyone.all(0))
 
 
 def test_integer_sums_are_exact() -> None:
     x = torch.arange(4, dtype=torch.int64) * (2**40) + rank()
-    assert torch.equal(ms.allreduce(x), stacked(x).sum(0))
-    assert torch.equal(ms.allreduce(x, "min"), stacked(x).amin(0))
+    assert torch.equal(ms.allreduce(x), _stacked(x).sum(0))
+    assert torch.equal(ms.allreduce(x, "min"), _stacked(x).amin(0))
 
 
 def test_dtype_and_op_errors_raise_on_every_rank() -> None:
@@ -176,9 +176,9 @@ def test_iallreduce_forward_and_backward(op: str) -> None:
     out = handle.wait()
     assert handle.test() and handle.is_completed() and handle.wait() is out
     scale = size() if op == "avg" else 1
-    assert_close(out, stacked(x.detach()).sum(0) / scale)
+    _assert_close(out, _stacked(x.detach()).sum(0) / scale)
     (out * y).sum().backward()
-    assert_close(x.grad, stacked(y).sum(0) / scale)
+    _assert_close(x.grad, _stacked(y).sum(0) / scale)
     assert_adjoint(lambda t: ms.iallreduce(t, op).wait(), x, seed=9)
 
 
@@ -188,13 +188,13 @@ def test_iallreduce_out_under_no_grad(op: str, layout: str) -> None:
     x = strided((3, 2), seed=10)
     if layout == "contiguous":
         x = x.contiguous()
-    expected = stacked(x).sum(0) / (size() if op == "avg" else 1)
+    expected = _stacked(x).sum(0) / (size() if op == "avg" else 1)
     out = torch.empty(3, 2, dtype=torch.float64) if layout == "separate out" else x
     pointer = out.data_ptr()
     with torch.no_grad():
         result = ms.iallreduce(x, op, out=out).wait()
     assert result is out and out.data_ptr() == pointer
-    assert_close(out, expected)
+    _assert_close(out, expected)
 
 
 def test_iallreduce_in_place_allocates_no_result_buffer() -> None:
@@ -204,7 +204,7 @@ def test_iallreduce_in_place_allocates_no_result_buffer() -> None:
         ms.iallreduce(x, "avg", out=x).wait()
     allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
     assert max(allocated, default=0) < nbytes, f"an in-place allreduce allocated {max(allocated)} bytes"
-    assert_close(x, torch.full_like(x, (size() + 1) / 2))
+    _assert_close(x, torch.full_like(x, (size() + 1) / 2))
 
 
 def test_iallreduce_errors_raise_on_every_rank() -> None:
@@ -224,9 +224,9 @@ def test_reduce_to_a_non_zero_root(op: str) -> None:
     root = size() - 1
     x = strided((2, 3), seed=11)
     out = ms.reduce(x, root=root, op=op)
-    expected = stacked(x).sum(0) / (size() if op == "avg" else 1)
+    expected = _stacked(x).sum(0) / (size() if op == "avg" else 1)
     if rank() == root:
-        assert_close(out, expected)
+        _assert_close(out, expected)
     else:
         assert isinstance(out, Placeholder) and out.holder == root and out.shape == (2, 3)
         assert f"rank {root}" in repr(out)
@@ -252,8 +252,8 @@ def test_reduce_scatter_forward_and_adjoint(op: str, dim: int) -> None:
     shape = (2 * size(), 3) if dim == 0 else (3, 2 * size())
     x = strided(shape, seed=12)
     out = ms.reduce_scatter(x, dim=dim, op=op)
-    total = stacked(x).sum(0) / (size() if op == "avg" else 1)
-    assert_close(out, torch.chunk(total, size(), dim=dim)[rank()])
+    total = _stacked(x).sum(0) / (size() if op == "avg" else 1)
+    _assert_close(out, torch.chunk(total, size(), dim=dim)[rank()])
     assert_adjoint(lambda t: ms.reduce_scatter(t, dim=dim, op=op), x, seed=12)
 
 
@@ -269,7 +269,7 @@ def test_reduce_scatter_v_uneven(dim: int, pattern: str) -> None:
     expected_sizes = sizes or [t.shape[0] for t in torch.tensor_split(torch.empty(length), size())]
     x = strided((length, 3) if dim == 0 else (3, length), seed=13)
     out = ms.reduce_scatter_v(x, sizes, dim=dim)
-    assert_close(out, torch.split(stacked(x).sum(0), expected_sizes, dim=dim)[rank()])
+    _assert_close(out, torch.split(_stacked(x).sum(0), expected_sizes, dim=dim)[rank()])
     assert_adjoint(lambda t: ms.reduce_scatter_v(t, sizes, dim=dim), x, seed=13)
 
 
@@ -287,7 +287,7 @@ def test_reduce_scatter_errors_raise_on_every_rank() -> None:
 VARIANTS = ["allreduce", "iallreduce", "reduce", "reduce_scatter"]
 
 
-def reduced(variant: str, tensor: torch.Tensor, op: str) -> torch.Tensor | Placeholder:
+def _reduced(variant: str, tensor: torch.Tensor, op: str) -> torch.Tensor | Placeholder:
     """``tensor`` reduced with ``op`` by ``variant`` (reduce: to the last rank; reduce_scatter: along dim 0)."""
     if variant == "allreduce":
         return ms.allreduce(tensor, op)
@@ -298,22 +298,22 @@ def reduced(variant: str, tensor: torch.Tensor, op: str) -> torch.Tensor | Place
     return ms.reduce_scatter(tensor, op=op)
 
 
-def mine(variant: str, total: torch.Tensor) -> torch.Tensor | None:
+def _mine(variant: str, total: torch.Tensor) -> torch.Tensor | None:
     """What ``variant`` gives this rank of the reduction ``total`` over ranks (``None``: a Placeholder)."""
     if variant == "reduce":
         return total if rank() == size() - 1 else None
     return total.chunk(size())[rank()] if variant == "reduce_scatter" else total
 
 
-def placed(variant: str, cotangent: torch.Tensor | None, total: torch.Tensor) -> torch.Tensor:
+def _placed(variant: str, cotangent: torch.Tensor | None, total: torch.Tensor) -> torch.Tensor:
     """This rank's cotangent placed where its output sits in ``total`` (zero elsewhere)."""
     full = torch.zeros_like(total)
     if cotangent is not None:
-        mine(variant, full).copy_(cotangent)
+        _mine(variant, full).copy_(cotangent)
     return full
 
 
-def with_zeros(seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def _with_zeros(seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Random per-rank (2P, 3) values with zeros: [0, 0] on rank 0 only, [0, 1] on the first and the last rank,
     [0, 2] on every rank."""
     x = torch.randn((2 * size(), 3), dtype=dtype, generator=rank_generator(seed))
@@ -328,21 +328,21 @@ def with_zeros(seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
 def test_prod_with_zeros_matches_torch(variant: str, dtype: torch.dtype) -> None:
     """Value and gradient against torch.prod over every rank's input in one process (its backward handles zeros),
     with a random cotangent per rank; complex inputs follow torch's conjugate convention."""
-    x = with_zeros(seed=20, dtype=dtype).requires_grad_(True)
-    out = reduced(variant, x, "prod")
-    inputs = stacked(x.detach()).requires_grad_(True)
+    x = _with_zeros(seed=20, dtype=dtype).requires_grad_(True)
+    out = _reduced(variant, x, "prod")
+    inputs = _stacked(x.detach()).requires_grad_(True)
     total = inputs.prod(0)
-    expected = mine(variant, total.detach())
+    expected = _mine(variant, total.detach())
     cotangent = None
     if expected is None:
         assert isinstance(out, Placeholder)
         out.backward()
     else:
-        assert_close(out.detach(), expected)
+        _assert_close(out.detach(), expected)
         cotangent = torch.randn(out.shape, dtype=dtype, generator=rank_generator(21))
         out.backward(cotangent)
-    total.backward(torch.stack(gather_reference(placed(variant, cotangent, total))).sum(0))
-    assert_close(x.grad, inputs.grad[rank()])
+    total.backward(torch.stack(gather_reference(_placed(variant, cotangent, total))).sum(0))
+    _assert_close(x.grad, inputs.grad[rank()])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -350,11 +350,11 @@ def test_prod_adjoint(variant: str) -> None:
     """The dot-product test for the linearisation J of the product at x (zeros included). The product is linear in
     each rank's input, so J v = sum_r (the product with rank r's input replaced by v_r): P forward calls. Then
     sum_ranks <J v, y> must equal sum_ranks <v, J^T y>, J^T y being what backward computes."""
-    x, v = with_zeros(seed=22), random_like_rank((2 * size(), 3), seed=23)
+    x, v = _with_zeros(seed=22), random_like_rank((2 * size(), 3), seed=23)
     with torch.no_grad():
-        parts = [reduced(variant, v if rank() == r else x, "prod") for r in range(size())]
+        parts = [_reduced(variant, v if rank() == r else x, "prod") for r in range(size())]
     x.requires_grad_(True)
-    out = reduced(variant, x, "prod")
+    out = _reduced(variant, x, "prod")
     lhs = 0.0
     if isinstance(out, Placeholder):
         out.backward()
@@ -384,12 +384,12 @@ def test_logical_and_bitwise_ops_match_torch(op: str) -> None:
     for dtype in (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64):
         low = 0 if dtype == torch.bool else -3
         x = torch.randint(low, 4, (2 * size(), 3), generator=rank_generator(25)).to(dtype)
-        inputs = stacked(x)
+        inputs = _stacked(x)
         operands = (inputs != 0) if op.startswith("l") else inputs
         total = functools.reduce(LOGICAL_AND_BITWISE[op], operands.unbind(0)).to(dtype)
         for variant in VARIANTS:
-            out = reduced(variant, x, op)
-            expected = mine(variant, total)
+            out = _reduced(variant, x, op)
+            expected = _mine(variant, total)
             if expected is None:
                 assert isinstance(out, Placeholder) and not out.requires_grad
             else:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.mpi
 COMM = MPI.COMM_WORLD
 
 
-def shared(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def _shared(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The same random tensor on every rank."""
     return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
@@ -31,7 +31,7 @@ def test_split_two_layer_block_matches_a_single_process(hidden: str) -> None:
     """Megatron's MLP block: column-parallel W (copy_to_parallel before it), row-parallel V (reduce_from_parallel
     after it), a loss counted once. Gradients of X, of each rank's slice of W and V, equal the single-process ones."""
     width = 2 * size() + (1 if hidden == "uneven" else 0)
-    x_full, w_full, v_full, c = shared((5, 4), 1), shared((4, width), 2), shared((width, 3), 3), shared((5, 3), 4)
+    x_full, w_full, v_full, c = _shared((5, 4), 1), _shared((4, width), 2), _shared((width, 3), 3), _shared((5, 3), 4)
     mine = torch.tensor_split(torch.arange(width), size())[rank()]
 
     x = x_full.t().clone().t().requires_grad_(True)  # non-contiguous, as activations often are
@@ -52,7 +52,7 @@ def test_split_two_layer_block_matches_a_single_process(hidden: str) -> None:
 
 def test_copy_to_parallel_dot_product() -> None:
     """y = copy(x) for one shared x: sum_r <x, g_r> = <x, dL/dx> with dL/dx = sum_r g_r, counted once."""
-    x = shared((3, 2), 5).requires_grad_(True)
+    x = _shared((3, 2), 5).requires_grad_(True)
     g = random_like_rank((3, 2), seed=6)
     out = ms.copy_to_parallel(x)
     assert torch.equal(out.detach(), x.detach())
@@ -66,7 +66,7 @@ def test_copy_to_parallel_dot_product() -> None:
 def test_reduce_from_parallel_dot_product() -> None:
     """z = sum_r x_r, one shared value with one shared cotangent g: <z, g> = sum_r <x_r, dL/dx_r>, dL/dx_r = g."""
     x = random_like_rank((2, 3), seed=7).t().requires_grad_(True)
-    g = shared((3, 2), 8)
+    g = _shared((3, 2), 8)
     z = ms.reduce_from_parallel(x)
     torch.testing.assert_close(z.detach(), torch.stack(gather_reference(x.detach())).sum(0), rtol=1e-12, atol=1e-12)
     z.backward(g)

@@ -16,45 +16,45 @@ from tests.adjoint import random_like_rank, rank, size
 pytestmark = pytest.mark.mpi
 
 
-def root() -> int:
+def _root() -> int:
     return size() - 1
 
 
-def at_root() -> bool:
-    return rank() == root()
+def _at_root() -> bool:
+    return rank() == _root()
 
 
-def always() -> bool:
+def _always() -> bool:
     return True
 
 
-def left() -> int:
+def _left() -> int:
     return (rank() - 1) % size()
 
 
-def right() -> int:
+def _right() -> int:
     return (rank() + 1) % size()
 
 
-def values(rows: int) -> torch.Tensor:
+def _values(rows: int) -> torch.Tensor:
     return random_like_rank((rows, 3), seed=1)
 
 
 # name: (this rank's input, the op, whether the op reads this rank's input)
 CASES: dict[str, tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], object], Callable[[], bool]]] = {
-    "broadcast": (lambda: values(2), lambda x: ms.broadcast(x, root=root()), at_root),
-    "scatter": (lambda: values(2 * size()), lambda x: ms.scatter(x, root=root()), at_root),
-    "scatter_v": (lambda: values(size()), lambda x: ms.scatter_v(x, root=root(), sizes=[1] * size()), at_root),
-    "allreduce max (zero where others hold it)": (lambda: values(4), lambda x: ms.allreduce(x, "max"), always),
-    "reduce prod to the last rank": (lambda: values(2), lambda x: ms.reduce(x, root=root(), op="prod"), always),
-    "gather to the last rank": (lambda: values(2), lambda x: ms.gather(x, root=root()), always),
-    "allgather_v (rank 0 sends no rows)": (lambda: values(min(rank(), 2)), lambda x: ms.allgather_v(x), always),
+    "broadcast": (lambda: _values(2), lambda x: ms.broadcast(x, root=_root()), _at_root),
+    "scatter": (lambda: _values(2 * size()), lambda x: ms.scatter(x, root=_root()), _at_root),
+    "scatter_v": (lambda: _values(size()), lambda x: ms.scatter_v(x, root=_root(), sizes=[1] * size()), _at_root),
+    "allreduce max (zero where others hold it)": (lambda: _values(4), lambda x: ms.allreduce(x, "max"), _always),
+    "reduce prod to the last rank": (lambda: _values(2), lambda x: ms.reduce(x, root=_root(), op="prod"), _always),
+    "gather to the last rank": (lambda: _values(2), lambda x: ms.gather(x, root=_root()), _always),
+    "allgather_v (rank 0 sends no rows)": (lambda: _values(min(rank(), 2)), lambda x: ms.allgather_v(x), _always),
     "alltoall_v (nothing to the last rank)": (
-        lambda: values(size() - 1),
+        lambda: _values(size() - 1),
         lambda x: ms.alltoall_v(x, [1] * (size() - 1) + [0]),
-        always,
+        _always,
     ),
-    "sendrecv": (lambda: values(2), lambda x: ms.sendrecv(x, right(), left()), always),
+    "sendrecv": (lambda: _values(2), lambda x: ms.sendrecv(x, _right(), _left()), _always),
 }
 
 
@@ -75,13 +75,13 @@ def test_unread_inputs_get_none_and_read_inputs_a_tensor(name: str) -> None:
 
 def test_autograd_grad_reports_a_non_root_broadcast_input_as_unused() -> None:
     """As for any torch op: ``torch.autograd.grad`` gives ``None`` with ``allow_unused=True``, and raises without."""
-    x = values(2).requires_grad_(True)
-    (grad,) = torch.autograd.grad(ms.broadcast(x, root=root()).sum(), [x], allow_unused=True)
-    assert (grad is not None) == at_root()
-    if at_root():
+    x = _values(2).requires_grad_(True)
+    (grad,) = torch.autograd.grad(ms.broadcast(x, root=_root()).sum(), [x], allow_unused=True)
+    assert (grad is not None) == _at_root()
+    if _at_root():
         assert torch.equal(grad, torch.full_like(x, float(size())))
-    out = ms.broadcast(x, root=root()).sum()
-    if at_root():
+    out = ms.broadcast(x, root=_root()).sum()
+    if _at_root():
         torch.autograd.grad(out, [x])
     else:
         with pytest.raises(RuntimeError, match="not have been used"):

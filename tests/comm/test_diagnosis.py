@@ -20,11 +20,11 @@ SCRIPT = Path(__file__).parent / "scripts" / "desync.py"
 STALL_TIMEOUT = 3
 
 
-def line_of(marker: str) -> str:
+def _line_of(marker: str) -> str:
     return marked_line(SCRIPT, marker)
 
 
-def caught(output: str, case: str, rank: int) -> str:
+def _caught(output: str, case: str, rank: int) -> str:
     found = re.search(rf"CAUGHT {case} {rank} (.*?)(?=CAUGHT |PASSED |$)", output, re.MULTILINE)
     assert found, f"rank {rank} raised nothing in {case}:\n{output[-3000:]}"
     return found.group(1)
@@ -45,24 +45,24 @@ def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_j
     )
     others = range(late)
     for rank in range(ranks):
-        message = caught(output, "different_ops", rank)
+        message = _caught(output, "different_ops", rank)
         assert "ranks called different collectives" in message
         for other in others:
             assert f"rank {other}: allreduce(float32[4], op=sum) at " in message
-            assert line_of("allreduce") in message
-        assert f"rank {late}: broadcast(root=0) at " in message and line_of("broadcast") in message
+            assert _line_of("allreduce") in message
+        assert f"rank {late}: broadcast(root=0) at " in message and _line_of("broadcast") in message
 
-        message = caught(output, "other_arguments", rank)
+        message = _caught(output, "other_arguments", rank)
         assert "rank 0: allreduce(float32[4], op=sum) at " in message
-        assert f"rank {late}: allreduce(float32[5], op=max) at " in message and line_of("other arguments") in message
+        assert f"rank {late}: allreduce(float32[5], op=max) at " in message and _line_of("other arguments") in message
 
-        message = caught(output, "skipped_call", rank)
-        assert "rank 0: allgather(float32[4], dim=0) at " in message and line_of("skipped") in message
-        assert f"rank {late}: allreduce(float32[4], op=sum) at " in message and line_of("after skipped") in message
+        message = _caught(output, "skipped_call", rank)
+        assert "rank 0: allgather(float32[4], dim=0) at " in message and _line_of("skipped") in message
+        assert f"rank {late}: allreduce(float32[4], op=sum) at " in message and _line_of("after skipped") in message
 
-        message = caught(output, "behind", rank)
+        message = _caught(output, "behind", rank)
         assert f"rank {late} is 1 call behind" in message
-        assert "rank 0: iallreduce(float32[4], op=sum) at " in message and line_of("unchecked") in message
+        assert "rank 0: iallreduce(float32[4], op=sum) at " in message and _line_of("unchecked") in message
 
     assert code == STALL_EXIT_CODE, output[-4000:]
     assert "UNREACHED" not in output
@@ -73,7 +73,7 @@ def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_j
         assert "in allreduce(float32[4], op=sum) (call #7 on its communicator) at " in report
         assert f"not arrived: rank {late}\n" in report
         assert re.search(
-            rf"rank {late} \(.*\): not in a collective, now at \S*{line_of(late_in)} \(in <module>\); "
+            rf"rank {late} \(.*\): not in a collective, now at \S*{_line_of(late_in)} \(in <module>\); "
             r"last entered allreduce\(float32\[4\], op=sum\) #6",
             report,
         )
@@ -83,14 +83,14 @@ def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_j
     own_stack = output[output.index(f"rank {late}'s stack (MainThread)") :]
     expected = "time.sleep(120)" if late_in == "sleep" else "while time.time() < deadline:"
     assert expected in own_stack.split("[mpistrategy]")[0]
-    assert line_of(late_in).replace("desync.py:", "line ") in own_stack.split("[mpistrategy]")[0]
+    assert _line_of(late_in).replace("desync.py:", "line ") in own_stack.split("[mpistrategy]")[0]
 
     assert sorted(path.name for path in tmp_path.glob("rank*.json")) == [f"rank{r}.json" for r in range(ranks)]
     capsys.readouterr()
     assert flight_main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert f"rank {late} (" in printed and "stall): 6 calls recorded, after #6 allreduce(float32[4], op=sum)" in printed
-    assert "inside #7 allreduce(float32[4], op=sum) at " in printed and line_of("waits") in printed
+    assert "inside #7 allreduce(float32[4], op=sum) at " in printed and _line_of("waits") in printed
     # the first divergence of the ranks' calls: the op that the late rank called differently
     assert "call #1 differs: rank 0: allreduce(float32[4], op=sum) at " in printed
     assert f"rank {late}: broadcast(root=0) at " in printed

@@ -29,7 +29,7 @@ void rank_sum(void) {}
 """
 
 
-def probe(cache: Path | None, **environment: str) -> subprocess.CompletedProcess:
+def _probe(cache: Path | None, **environment: str) -> subprocess.CompletedProcess:
     """``rank_sum.available(torch.float32)`` in a fresh process whose cache is ``cache`` (None: no home, no cache)."""
     env = {key: value for key, value in os.environ.items() if key not in (rank_sum.CACHE_VARIABLE, "XDG_CACHE_HOME")}
     env.update({rank_sum.CACHE_VARIABLE: str(cache)} if cache is not None else {"HOME": "~"})
@@ -54,7 +54,7 @@ def planted_library(tmp_path: Path, mark: Path) -> Path:
     return library
 
 
-def plant(library: Path, cache: Path) -> Path:
+def _plant(library: Path, cache: Path) -> Path:
     """Put ``library`` where the kernel's build in ``cache`` would be, with its true SHA-256 recorded beside it,
     as anyone who can write there could; return the build directory."""
     target = rank_sum.cached_library(cache)
@@ -68,12 +68,12 @@ def plant(library: Path, cache: Path) -> Path:
     return target.parent
 
 
-def chown_tree(top: Path, uid: int) -> None:
+def _chown_tree(top: Path, uid: int) -> None:
     for path in (top, *top.rglob("*")):
         os.chown(path, uid, -1)
 
 
-def assert_refused_and_not_run(result: subprocess.CompletedProcess, mark: Path, directory: Path, reason: str) -> None:
+def _assert_refused_and_not_run(result: subprocess.CompletedProcess, mark: Path, directory: Path, reason: str) -> None:
     assert result.stdout.strip() == "True", result.stderr  # built for the process alone
     assert not mark.exists(), "the planted library was loaded"
     warnings = [line for line in result.stderr.splitlines() if REFUSED in line]
@@ -81,7 +81,7 @@ def assert_refused_and_not_run(result: subprocess.CompletedProcess, mark: Path, 
     assert f"{REFUSED} {directory}:" in warnings[0] and reason in warnings[0], warnings[0]
 
 
-def needs_root() -> None:
+def _needs_root() -> None:
     if os.getuid() != 0:
         pytest.skip("giving a directory to another user (chown) needs root")
 
@@ -89,25 +89,25 @@ def needs_root() -> None:
 def test_a_cache_owned_by_another_user_is_refused_and_nothing_in_it_runs(
     tmp_path: Path, planted_library: Path, mark: Path
 ) -> None:
-    needs_root()
+    _needs_root()
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o755)
-    plant(planted_library, cache)
-    chown_tree(cache, NOBODY)
+    _plant(planted_library, cache)
+    _chown_tree(cache, NOBODY)
     before = sorted(cache.rglob("*"))
-    assert_refused_and_not_run(probe(cache), mark, cache, f"owned by uid {NOBODY}")
+    _assert_refused_and_not_run(_probe(cache), mark, cache, f"owned by uid {NOBODY}")
     assert sorted(cache.rglob("*")) == before, "the refused cache was written to"
 
 
 def test_a_build_owned_by_another_user_in_the_users_cache_is_refused(
     tmp_path: Path, planted_library: Path, mark: Path
 ) -> None:
-    needs_root()
+    _needs_root()
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
-    entry = plant(planted_library, cache)
-    chown_tree(entry, NOBODY)
-    assert_refused_and_not_run(probe(cache), mark, entry, f"owned by uid {NOBODY}")
+    entry = _plant(planted_library, cache)
+    _chown_tree(entry, NOBODY)
+    _assert_refused_and_not_run(_probe(cache), mark, entry, f"owned by uid {NOBODY}")
 
 
 @pytest.mark.parametrize(
@@ -125,17 +125,17 @@ def test_a_cache_that_others_can_write_is_refused_and_nothing_in_it_runs(
 ) -> None:
     cache = tmp_path / "above" / "cache"
     cache.mkdir(parents=True, mode=0o700)
-    entry = plant(planted_library, cache)
+    entry = _plant(planted_library, cache)
     paths = {"above": cache.parent, "cache": cache, "build": entry, "library": entry / kernel_cache.LIBRARY}
     paths[loosened].chmod(mode)
-    assert_refused_and_not_run(probe(cache), mark, paths[named], reason)
+    _assert_refused_and_not_run(_probe(cache), mark, paths[named], reason)
 
 
 def test_a_sticky_directory_above_the_cache_is_fine(tmp_path: Path) -> None:
     above = tmp_path / "shared"
     above.mkdir()
     above.chmod(0o1777)  # as /tmp
-    result = probe(above / "mine")
+    result = _probe(above / "mine")
     assert result.stdout.strip() == "True" and REFUSED not in result.stderr, result.stderr
     assert stat.S_IMODE((above / "mine").stat().st_mode) == 0o700, "the cache was not created private"
     assert rank_sum.cached_library(above / "mine").is_file()  # type: ignore[union-attr]
@@ -143,14 +143,14 @@ def test_a_sticky_directory_above_the_cache_is_fine(tmp_path: Path) -> None:
 
 def test_a_library_changed_after_its_build_is_not_loaded(tmp_path: Path, planted_library: Path, mark: Path) -> None:
     cache = tmp_path / "cache"
-    assert probe(cache).stdout.strip() == "True"
+    assert _probe(cache).stdout.strip() == "True"
     library = rank_sum.cached_library(cache)
     assert library is not None and library.is_file()
     swapped = library.with_name("swapped")
     swapped.write_bytes(planted_library.read_bytes())
     swapped.chmod(0o755)
     os.replace(swapped, library)  # the user's own file, private directory: only the digest tells
-    assert_refused_and_not_run(probe(cache), mark, library.parent, "SHA-256 differs from the recorded one")
+    _assert_refused_and_not_run(_probe(cache), mark, library.parent, "SHA-256 differs from the recorded one")
 
 
 SWAP_ON_PUBLISH = """
@@ -187,11 +187,11 @@ def test_a_library_swapped_between_its_build_and_its_load_is_not_the_one_loaded(
 
 def test_the_cache_is_reused_without_a_compiler(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    assert probe(cache).stdout.strip() == "True"
+    assert _probe(cache).stdout.strip() == "True"
     library = rank_sum.cached_library(cache)
     assert library is not None
     modified = library.stat().st_mtime_ns
-    reused = probe(cache, PATH=str(tmp_path / "nothing-here"))  # `cc` cannot be found
+    reused = _probe(cache, PATH=str(tmp_path / "nothing-here"))  # `cc` cannot be found
     assert reused.stdout.strip() == "True" and "could not be built" not in reused.stderr, reused.stderr
     assert library.stat().st_mtime_ns == modified and [path.name for path in cache.iterdir()] == [library.parent.name]
 
@@ -204,10 +204,10 @@ def test_without_a_home_the_kernel_is_built_privately_and_the_old_shared_path_is
     shared.chmod(0o1777)
     predictable = shared / f"mpistrategy-{os.getuid()}"
     predictable.mkdir(mode=0o777)
-    plant(planted_library, predictable)
+    _plant(planted_library, predictable)
     (predictable / f"rank_sum-x86_64-{'0' * 16}.so").write_bytes(planted_library.read_bytes())
     before = sorted(shared.rglob("*"))
-    result = probe(None, TMPDIR=str(shared))
+    result = _probe(None, TMPDIR=str(shared))
     assert result.stdout.strip() == "True" and REFUSED not in result.stderr, result.stderr
     assert not mark.exists(), "a library from the shared temporary directory was loaded"
     assert sorted(shared.rglob("*")) == before, "the private build was left in the temporary directory"

@@ -16,7 +16,7 @@ from mpistrategy.comm import rank_sum
 NUMELS = [1, 7, 511, 512, 513, 100_003]
 
 
-def torch_chain(inputs: list[torch.Tensor], scale: float) -> torch.Tensor:
+def _torch_chain(inputs: list[torch.Tensor], scale: float) -> torch.Tensor:
     """What the shared-memory allreduce computes with torch: ((x_0 + x_1) + ...) * scale."""
     total = inputs[0].clone()
     for part in inputs[1:]:
@@ -24,11 +24,11 @@ def torch_chain(inputs: list[torch.Tensor], scale: float) -> torch.Tensor:
     return total.mul_(scale) if scale != 1.0 else total
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8)
 
 
-def inputs_for(count: int, numel: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+def _inputs_for(count: int, numel: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(numel, generator=generator, dtype=dtype) * 10.0 ** (k % 4 - 1) for k in range(count)]
 
@@ -42,24 +42,24 @@ def built() -> None:
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
 def test_the_sum_and_the_average_are_the_bits_of_torchs_chain(dtype: torch.dtype, count: int) -> None:
     for numel in NUMELS:
-        inputs = inputs_for(count, numel, dtype, seed=numel + count)
+        inputs = _inputs_for(count, numel, dtype, seed=numel + count)
         for scale in (1.0, 1.0 / count):
-            expected = torch_chain(inputs, scale)
+            expected = _torch_chain(inputs, scale)
             outputs = [torch.full((numel,), float("nan"), dtype=dtype) for _ in range(3)]
             rank_sum.sum_to(outputs, inputs, scale)
             for output in outputs:
-                assert torch.equal(bits(output), bits(expected)), f"{numel} elements, scale {scale}"
+                assert torch.equal(_bits(output), _bits(expected)), f"{numel} elements, scale {scale}"
 
 
 @pytest.mark.parametrize("dtype", rank_sum.SUPPORTED_DTYPES)
 def test_an_output_may_be_any_of_the_inputs(dtype: torch.dtype) -> None:
     count, numel = 4, 4099
     for written in range(count):
-        inputs = inputs_for(count, numel, dtype, seed=written)
-        expected = torch_chain(inputs, 0.25)
+        inputs = _inputs_for(count, numel, dtype, seed=written)
+        expected = _torch_chain(inputs, 0.25)
         elsewhere = torch.empty(numel, dtype=dtype)
         rank_sum.sum_to([inputs[written], elsewhere], inputs, 0.25)
-        assert torch.equal(bits(inputs[written]), bits(expected)) and torch.equal(bits(elsewhere), bits(expected))
+        assert torch.equal(_bits(inputs[written]), _bits(expected)) and torch.equal(_bits(elsewhere), _bits(expected))
 
 
 def test_only_float32_and_float64_are_compiled_and_the_switch_turns_it_off() -> None:
@@ -70,7 +70,7 @@ def test_only_float32_and_float64_are_compiled_and_the_switch_turns_it_off() -> 
     assert rank_sum.available(torch.float32)
 
 
-def run_python(code: str, **environment: str) -> subprocess.CompletedProcess:
+def _run_python(code: str, **environment: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, **environment}, capture_output=True, text=True, timeout=120
     )
@@ -96,16 +96,16 @@ def test_processes_that_build_at_once_share_one_cached_library(tmp_path: Path) -
     )
     assert sorted(path.name for path in library.parent.iterdir()) == ["library.so", "library.so.sha256"]
     modified = library.stat().st_mtime_ns
-    assert run_python(PROBE, **{rank_sum.CACHE_VARIABLE: str(tmp_path)}).stdout.strip() == "True"
+    assert _run_python(PROBE, **{rank_sum.CACHE_VARIABLE: str(tmp_path)}).stdout.strip() == "True"
     assert library.stat().st_mtime_ns == modified, "a cached build was built again"
 
 
 def test_without_a_working_compiler_torch_sums_and_a_warning_says_why(tmp_path: Path) -> None:
-    failed = run_python(PROBE, CC="/bin/false", **{rank_sum.CACHE_VARIABLE: str(tmp_path)})
+    failed = _run_python(PROBE, CC="/bin/false", **{rank_sum.CACHE_VARIABLE: str(tmp_path)})
     assert failed.stdout.strip() == "False"
     assert "could not be built with '/bin/false'" in failed.stderr and "summing with torch" in failed.stderr
     assert list(tmp_path.iterdir()) == [], "a failed build left files behind"
-    with_flags = run_python(PROBE, CC="cc -w", **{rank_sum.CACHE_VARIABLE: str(tmp_path)})
+    with_flags = _run_python(PROBE, CC="cc -w", **{rank_sum.CACHE_VARIABLE: str(tmp_path)})
     assert with_flags.stdout.strip() == "True", with_flags.stderr  # $CC may carry flags, as make's does
-    switched_off = run_python(PROBE, CC="/bin/false", **{rank_sum.NATIVE_VARIABLE: "0"})
+    switched_off = _run_python(PROBE, CC="/bin/false", **{rank_sum.NATIVE_VARIABLE: "0"})
     assert switched_off.stdout.strip() == "False" and "could not be built" not in switched_off.stderr

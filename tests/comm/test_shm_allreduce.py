@@ -270,8 +270,9 @@ def test_gradient_buckets_are_shared_memory_and_teardown_frees_it() -> None:
     hook): gradients are averaged where backward put them, and remove() copies them out and frees the segment."""
     net, reference = _net(), _net()
     reducer = GradientReducer(net, MeanAggregator(), topology(), own_bucket_mb=64 / 1024)
-    segment = reducer._segment
-    assert segment is not None and len(reducer._copied) == 1
+    segment = reducer.memory.segment
+    copied = [place.name for bucket in reducer.layout.buckets for place in bucket.places if place.copied]
+    assert segment is not None and len(copied) == 1
     assert all(shm_window.locate(b.buffer)[0] is segment for b in reducer.buckets)
     batches = torch.randn(size(), 4, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     for _ in range(2):

@@ -54,10 +54,10 @@ def test_every_option_of_the_mode_is_a_field_at_its_default_and_builds_the_mode(
     assert bool(defaults) == (mode != "hierarchical"), defaults
     assert {name: options[name] for name in defaults} == defaults
     assert SHARED <= set(options) and options["sync"] == mode
-    assert options["ranks_per_node"] is None and options["node_transport"] == "mpi"
+    assert options["ranks_per_node"] is None and options["node_transport"] == "auto"
     strategy = build_strategy(cfg)
     assert type(strategy.sync) is SYNC_MODES[mode]
-    assert strategy.node_transport == "mpi" and strategy.log_traffic is True
+    assert strategy.node_transport == "auto" and strategy.log_traffic is True
 
 
 def test_overrides_reach_the_mode_and_the_strategy() -> None:
@@ -116,7 +116,7 @@ def test_an_unknown_key_names_the_key_and_the_allowed_ones(option: str, override
     [
         ("gossip", "strategy.graph=rings", ["ring", "torus", "exponential", "complete", "custom"]),
         ("daso", "strategy.downcast=fp8", ["bfloat16", "float16", "float32"]),
-        ("hierarchical", "strategy.node_transport=ucx", ["mpi", "gloo", "nccl"]),
+        ("hierarchical", "strategy.node_transport=ucx", ["auto", "mpi", "gloo", "nccl"]),
         ("daso", "strategy.global_skip=x", ["Integer"]),
         ("local_sgd", "strategy.period=1.5", ["Integer"]),
         ("daso", "strategy.stability_level=high", ["Float"]),

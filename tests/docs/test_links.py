@@ -24,18 +24,18 @@ CODE_SPAN = re.compile(r"`([^`\s]+)`")
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 
 
-def slug(heading: str) -> str:
+def _slug(heading: str) -> str:
     """GitHub's anchor for a heading, which MyST's heading anchors follow."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
     return text.replace(" ", "-")
 
 
-def anchors(page: Path) -> set[str]:
+def _anchors(page: Path) -> set[str]:
     text = FENCE.sub("", page.read_text())
-    return {slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+    return {_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
 
 
-def links(page: Path) -> list[tuple[str, Path]]:
+def _links(page: Path) -> list[tuple[str, Path]]:
     """(what the page says, the path it names) for every relative link, directive path and repository path."""
     text = page.read_text()
     found = [(target, page.parent) for target in LINK.findall(text) + DIRECTIVE.findall(text)]
@@ -51,12 +51,12 @@ def links(page: Path) -> list[tuple[str, Path]]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_relative_links_exist(page: Path) -> None:
     missing = []
-    for target, base in links(page):
+    for target, base in _links(page):
         path, _, anchor = target.partition("#")
         resolved = (base / path).resolve() if path else page
         if not resolved.exists():
             missing.append(f"{target} (no {resolved})")
-        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
             missing.append(f"{target} (no heading #{anchor} in {resolved.name})")
     assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {missing}"
 

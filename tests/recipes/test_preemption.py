@@ -32,7 +32,7 @@ class SignalAt(L.Callback):
     """Sends ``signal`` to this process once, at the end of training step ``step``, on rank ``rank`` only."""
 
     def __init__(self, step: int, signal: str = "SIGUSR1", rank: int = 0) -> None:
-        self.step, self.signum, self.rank, self.fired = step, int(getattr(signal_module(), signal)), rank, False
+        self.step, self.signum, self.rank, self.fired = step, int(getattr(_signal_module(), signal)), rank, False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self.fired and trainer.global_step == self.step and trainer.global_rank == self.rank:
@@ -40,7 +40,7 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
-def signal_module():
+def _signal_module():
     return signal
 
 

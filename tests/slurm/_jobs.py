@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tests.recipes._cli import clean_env
@@ -34,24 +34,26 @@ def job_env(log_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def sbatch(script: Path, *args: str, cwd: Path, env: dict[str, str]) -> str:
+def sbatch(script: Path, *args: str, cwd: Path, env: dict[str, str], prefix: Sequence[str] = ()) -> str:
+    """Submit ``script``; its job id. ``prefix`` (here and below): what runs a client of another SLURM cluster than
+    this machine's, e.g. ``SlurmCluster.command([])`` of benchmarks/slurm_cluster.py."""
     result = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={cwd}", *args, str(script)],
+        [*prefix, "sbatch", "--parsable", f"--chdir={cwd}", *args, str(script)],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, f"sbatch {script.name} failed: {result.stderr}"
     return result.stdout.strip().split(";")[0]
 
 
-def job_info(job: str) -> dict[str, str]:
-    result = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
+def job_info(job: str, prefix: Sequence[str] = ()) -> dict[str, str]:
+    result = subprocess.run([*prefix, "scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
         return {}
     return dict(re.findall(r"(\w+)=(\S*)", result.stdout))
 
 
-def state(job: str) -> str:
-    return job_info(job).get("JobState", "UNKNOWN")
+def state(job: str, prefix: Sequence[str] = ()) -> str:
+    return job_info(job, prefix).get("JobState", "UNKNOWN")
 
 
 def wait_for(
@@ -60,20 +62,21 @@ def wait_for(
     states: set[str] = FINISHED,
     poll: float = 2.0,
     on_pending: Callable[[str], None] | None = None,
+    prefix: Sequence[str] = (),
 ) -> str:
     """Wait until ``job`` is in one of ``states``; returns the state. ``on_pending(job)`` runs at every poll that
     finds the job pending."""
     deadline = time.monotonic() + timeout
     last = "UNKNOWN"
     while time.monotonic() < deadline:
-        last = state(job)
+        last = state(job, prefix)
         if last in states:
             return last
         if last == "PENDING" and on_pending is not None:
             on_pending(job)
         time.sleep(poll)
-    reason = job_info(job).get("Reason", "?")
-    subprocess.run(["scancel", job], timeout=30)
+    reason = job_info(job, prefix).get("Reason", "?")
+    subprocess.run([*prefix, "scancel", job], timeout=30)
     raise AssertionError(f"job {job} still {last} (reason {reason}) after {timeout:.0f} s (cancelled)")
 
 

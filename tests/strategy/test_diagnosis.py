@@ -19,11 +19,11 @@ SCRIPT = Path(__file__).parent / "scripts" / "desync_training.py"
 STALL_TIMEOUT = 3
 
 
-def line_of(marker: str) -> str:
+def _line_of(marker: str) -> str:
     return marked_line(SCRIPT, marker)
 
 
-def run(framework: str, case: str, sync: str, ranks: int, tmp_path: Path) -> tuple[int, str]:
+def _run(framework: str, case: str, sync: str, ranks: int, tmp_path: Path) -> tuple[int, str]:
     code, output, ended = run_mpi_job(
         SCRIPT,
         ranks,
@@ -40,14 +40,14 @@ def run(framework: str, case: str, sync: str, ranks: int, tmp_path: Path) -> tup
     return code, output
 
 
-def stack_of(output: str, rank: int) -> str:
+def _stack_of(output: str, rank: int) -> str:
     return output[output.index(f"rank {rank}'s stack (MainThread)") :].split("[mpistrategy]")[0]
 
 
 def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Path) -> None:
-    code, output = run("trainer", "skip_backward", "flat", 2, tmp_path)
+    code, output = _run("trainer", "skip_backward", "flat", 2, tmp_path)
     assert code == 1, output[-4000:]
-    site = re.escape(line_of("manual backward"))
+    site = re.escape(_line_of("manual backward"))
     message = (
         rf"gradient sync: ranks disagree on the training batch \(rank 0: gradient sync\(training batch=1\) at "
         rf"\S*{site}; rank 1: gradient sync\(training batch=2\) at \S*{site}\)"
@@ -57,13 +57,13 @@ def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Pa
 
 
 def test_trainer_rank_with_a_batch_more_is_reported_by_the_watchdog(tmp_path: Path) -> None:
-    code, output = run("trainer", "extra_step", "hierarchical", 3, tmp_path)
+    code, output = _run("trainer", "extra_step", "hierarchical", 3, tmp_path)
     assert code == STALL_EXIT_CODE, output[-4000:]
     for rank in range(3):
         report = output[output.index(f"stall (reported on rank {rank})") :]
         assert re.search(r"rank 0 \(.*\): waiting \d+\.\d s in gradient sync\(training batch=4\)", report), report
         assert f"rank {rank} ends with exit code {STALL_EXIT_CODE}" in report
-    assert line_of("manual backward") in output
+    assert _line_of("manual backward") in output
     assert sorted(path.name for path in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json", "rank2.json"]
 
 
@@ -71,25 +71,25 @@ def test_trainer_rank_with_a_batch_more_is_reported_by_the_watchdog(tmp_path: Pa
 def test_rank_stuck_in_its_data_loader_is_reported_with_its_stack(
     framework: str, sync: str, ranks: int, tmp_path: Path
 ) -> None:
-    code, output = run(framework, "loader_hang", sync, ranks, tmp_path)
+    code, output = _run(framework, "loader_hang", sync, ranks, tmp_path)
     assert code == STALL_EXIT_CODE, output[-4000:]
     late = ranks - 1
     for rank in range(ranks):
         report = output[output.index(f"stall (reported on rank {rank})") :]
         assert re.search(rf"rank {late} \(.*\): not in a collective", report), report
         assert re.search(r"rank 0 \(.*\): waiting .*in _complete \(mpistrategy/sync/averaging.py:\d+\)", report)
-    stack = stack_of(output, late)
-    assert "time.sleep(120)  # marker: loader" in stack and f"line {line_of('loader').split(':')[1]}" in stack
+    stack = _stack_of(output, late)
+    assert "time.sleep(120)  # marker: loader" in stack and f"line {_line_of('loader').split(':')[1]}" in stack
 
 
 def test_fabric_rank_skipping_a_backward_pass_is_reported(tmp_path: Path) -> None:
     """Fabric counts backward passes only: the late rank's extra step goes unnoticed until the other rank waits in
     a gradient sync that the late rank, finished, never joins."""
-    code, output = run("fabric", "skip_backward", "flat", 2, tmp_path)
+    code, output = _run("fabric", "skip_backward", "flat", 2, tmp_path)
     assert code == STALL_EXIT_CODE, output[-4000:]
     report = output[output.index("stall (reported on rank 0)") :]
     assert re.search(r"rank 0 has waited \d+\.\d s in gradient sync\(backward pass=3\)", report), report
-    assert line_of("backward") in report
+    assert _line_of("backward") in report
     assert "rank 1: did not answer" in report or "rank 1 (" in report
 
 

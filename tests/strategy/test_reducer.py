@@ -11,7 +11,7 @@ from torch import nn
 from mpistrategy.aggregation import MeanAggregator
 from mpistrategy.comm.shm import shared_memory
 from mpistrategy.comm.topology import topology
-from mpistrategy.strategy.reducer import BucketLayoutError, GradientReducer, assign_buckets
+from mpistrategy.strategy.reducer import BucketLayoutError, GradientReducer
 from mpistrategy.sync import HierarchicalSync, SyncContext
 from tests.strategy.helpers import COMM, RANK, SIZE
 
@@ -46,22 +46,6 @@ def _rank_batch(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(SIZE * 3, 5, generator=g, dtype=torch.float64)
     return x, x[RANK * 3 : RANK * 3 + 3]
-
-
-def test_assign_buckets_caps_and_order() -> None:
-    params = [(f"p{i}", nn.Parameter(torch.zeros(256))) for i in range(6)]  # 1 KB each
-    groups = assign_buckets(params, bucket_cap_mb=2.5 / 1024, first_bucket_cap_mb=1 / 1024)
-    assert [[n for n, _ in g] for g in groups] == [["p0"], ["p1", "p2", "p3"], ["p4", "p5"]]
-    mixed = [("a", nn.Parameter(torch.zeros(4))), ("b", nn.Parameter(torch.zeros(4, dtype=torch.float64)))]
-    assert len(assign_buckets(mixed, 25, 1)) == 2  # one dtype per bucket
-
-
-def test_large_parameters_get_their_own_bucket_in_launch_order() -> None:
-    sizes = {"small0": 256, "large1": 4096, "small2": 256, "strided": 4096, "large4": 8192}  # float32 elements
-    params = [(n, nn.Parameter(torch.zeros(k))) for n, k in sizes.items()]
-    params[3] = ("strided", nn.Parameter(torch.zeros(2, 4096)[:, ::2].t()))  # 16 KB, not contiguous
-    groups = assign_buckets(params, bucket_cap_mb=25, first_bucket_cap_mb=25, own_bucket_mb=16 / 1024)
-    assert [[n for n, _ in g] for g in groups] == [["large1"], ["large4"], ["small0", "small2", "strided"]]
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)

@@ -3,6 +3,7 @@ plain `python` runs a world of one, and a SLURM/MPI mismatch fails loudly. Each 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from mpistrategy.comm.topology import LaunchMismatchError, check_launch
+from mpistrategy.launch import mpiexec_command
+from mpistrategy.strategy.registration import STRATEGIES
 from tests.mpi_harness import clean_environ
 
 pytestmark = pytest.mark.skipif(
@@ -22,80 +25,145 @@ pytestmark = pytest.mark.skipif(
 ROOT = Path(__file__).parents[2]
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+def _run_python(code: str, *, ranks: int | None = None, **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (``ranks``: under ``mpiexec -n ranks``) with this checkout on the path."""
     environ = {**clean_environ(), "PYTHONPATH": str(ROOT), **env}
+    launcher = [] if ranks is None else [*mpiexec_command(), "-n", str(ranks)]
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environ, timeout=300
+        [*launcher, sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=300,
     )
 
 
-def test_import_registers_without_importing_lightning() -> None:
-    result = _python(
-        """
+# Builds a Trainer of each Lightning package and a Fabric by the name "mpi_ad" and checks the strategy classes.
+BUILD_BY_NAME = """
+    import lightning.pytorch as L
+    import pytorch_lightning as PL
+    from lightning.fabric import Fabric
+    from mpistrategy.strategy.environment import MPIEnvironment
+    from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy
+    from mpistrategy.strategy.mpi_ad import MPIADStrategy
+    from mpistrategy.strategy.pytorch_lightning import MPIADStrategy as PLStrategy, MPIEnvironment as PLEnvironment
+
+    built = []
+    for package, strategy_class, environment in ((L, MPIADStrategy, MPIEnvironment), (PL, PLStrategy, PLEnvironment)):
+        strategy = package.Trainer(strategy="mpi_ad", logger=False, enable_progress_bar=False).strategy
+        assert type(strategy) is strategy_class, strategy
+        assert type(strategy.cluster_environment) is environment, strategy.cluster_environment
+        built.append(f"{package.__name__}:{type(strategy).__name__}")
+    strategy = Fabric(strategy="mpi_ad", accelerator="cpu").strategy
+    assert type(strategy) is MPIADFabricStrategy and type(strategy.cluster_environment) is MPIEnvironment
+    built.append(f"fabric:{type(strategy).__name__}")
+    print("BUILT", " ".join(built))
+"""
+BUILT = "BUILT lightning.pytorch:MPIADStrategy pytorch_lightning:MPIADStrategy fabric:MPIADFabricStrategy"
+LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+STRATEGY_MODULES = ("base", "environment", "mpi_ad", "pytorch_lightning", "fabric_mpi_ad")
+
+
+def test_import_imports_no_lightning_and_registering_imports_no_strategy_module() -> None:
+    """``import mpistrategy`` leaves Lightning unimported; importing Lightning then registers every name with a
+    factory, without importing a strategy module; building a strategy by name imports its class."""
+    result = _run_python(
+        f"""
         import sys
         import mpistrategy
-        assert "lightning.pytorch" not in sys.modules and "pytorch_lightning" not in sys.modules
-        assert "lightning.fabric" not in sys.modules
+        lightning = sorted(m for m in sys.modules if m.split(".")[0] in {LIGHTNING_PACKAGES!r})
+        print("LIGHTNING", lightning)
+        import lightning.pytorch, pytorch_lightning, lightning.fabric
         from lightning.fabric.strategies import STRATEGY_REGISTRY
-        from mpistrategy.strategy import MPIADFabricStrategy
-        assert STRATEGY_REGISTRY["mpi_ad"]["strategy"] is MPIADFabricStrategy, "not registered with Fabric"
         from lightning.pytorch.strategies import StrategyRegistry
-        assert "mpi_ad" in StrategyRegistry, "not registered with lightning.pytorch"
         from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
-        assert "mpi_ad" in PLRegistry, "not registered with pytorch_lightning"
-        from mpistrategy.strategy.pytorch_lightning import MPIADStrategy
-        assert PLRegistry["mpi_ad"]["strategy"] is MPIADStrategy
-        print("OK")
+        from mpistrategy.strategy.registration import STRATEGIES
+        for registry in (StrategyRegistry, PLRegistry, STRATEGY_REGISTRY):
+            for name, entry in STRATEGIES.items():
+                assert registry[name]["description"] == entry.description, (name, registry[name])
+                assert registry[name]["init_params"] == ({{}} if name == "mpi_ad" else {{"sync": entry.sync}})
+        loaded = [m for m in {STRATEGY_MODULES!r} if f"mpistrategy.strategy.{{m}}" in sys.modules]
+        print("LOADED", loaded)
+        {textwrap.indent(textwrap.dedent(BUILD_BY_NAME), " " * 8).strip()}
         """
     )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LIGHTNING []" in result.stdout and "LOADED []" in result.stdout, result.stdout
+    assert BUILT in result.stdout, result.stdout
 
 
-def test_import_after_lightning_registers_too() -> None:
-    result = _python(
-        """
-        import lightning.pytorch as L
+def test_import_under_mpiexec_imports_no_lightning_and_sets_the_rank() -> None:
+    """With several ranks, ``import mpistrategy`` sets Lightning's ``rank_zero_only.rank`` from MPI (through
+    lightning_utilities) and still imports no Lightning package."""
+    result = _run_python(
+        f"""
+        import sys
         import mpistrategy
+        from mpi4py import MPI
+        from lightning_utilities.core.rank_zero import rank_zero_only
+        lightning = sorted(m for m in sys.modules if m.split(".")[0] in {LIGHTNING_PACKAGES!r})
+        print(f"rank {{MPI.COMM_WORLD.rank}}: rank_zero_only {{rank_zero_only.rank}}, Lightning {{lightning}}")
+        """,
+        ranks=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: rank_zero_only {rank}, Lightning []" in result.stdout, result.stdout
+
+
+def test_lightning_alone_knows_no_mpistrategy_name() -> None:
+    """Without ``import mpistrategy`` (and mpistrategy declares no entry points) Lightning's registries hold none of
+    its names and the Trainer rejects them."""
+    result = _run_python(
+        """
+        import json, sys
+        import lightning.pytorch as L, pytorch_lightning, lightning.fabric
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
         from lightning.pytorch.strategies import StrategyRegistry
-        from mpistrategy.strategy.mpi_ad import MPIADStrategy
-        assert StrategyRegistry["mpi_ad"]["strategy"] is MPIADStrategy
-        print("OK")
+        from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
+        print("NAMES", json.dumps(sorted({*StrategyRegistry, *PLRegistry, *STRATEGY_REGISTRY})))
+        print("MPISTRATEGY", sorted(m for m in sys.modules if m.split(".")[0] == "mpistrategy"))
+        try:
+            L.Trainer(strategy="mpi_ad")
+        except ValueError as error:
+            print("REFUSED", error)
         """
     )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = json.loads(result.stdout.split("NAMES ", 1)[1].splitlines()[0])
+    assert "ddp" in names and not set(names) & set(STRATEGIES), names
+    assert "MPISTRATEGY []" in result.stdout
+    assert "REFUSED You selected an invalid strategy name: `strategy='mpi_ad'`" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize(
     "first_import",
     [
+        "import mpistrategy",
         "from mpistrategy.strategy.mpi_ad import MPIADStrategy",
         "from mpistrategy.strategy.environment import MPIEnvironment",
         "from mpistrategy.strategy.pytorch_lightning import MPIADStrategy",
         "from mpistrategy.strategy import MPIADStrategy",
+        "from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy",
+        "from mpistrategy.strategy.base import MPIStrategyBase",
         "import lightning",
         "import pytorch_lightning",
         "import pytorch_lightning, lightning.pytorch",
-        "from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy",
-        "from mpistrategy.strategy.base import MPIStrategyBase",
         "import lightning.fabric",
     ],
 )
-def test_registered_whatever_is_imported_first(first_import: str) -> None:
-    """Importing a strategy module imports Lightning, whose import hook fires while that module is half-done."""
-    result = _python(
+def test_trainer_and_fabric_build_by_name_whatever_is_imported_first(first_import: str) -> None:
+    """A strategy module imported first imports mpistrategy, then Lightning, whose import hook registers while that
+    module is half-done; Lightning imported first is registered with when mpistrategy is imported."""
+    result = _run_python(
         f"""
         {first_import}
         import mpistrategy
-        import warnings
-        warnings.simplefilter("error")
-        from lightning.pytorch.strategies import StrategyRegistry
-        from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
-        from lightning.fabric.strategies import STRATEGY_REGISTRY
-        assert "mpi_ad" in StrategyRegistry and "mpi_ad" in PLRegistry and "mpi_daso" in STRATEGY_REGISTRY
-        print("OK")
+        {textwrap.indent(textwrap.dedent(BUILD_BY_NAME), " " * 8).strip()}
         """
     )
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert BUILT in result.stdout, result.stdout
     assert "could not register" not in result.stderr
 
 
@@ -103,7 +171,7 @@ def test_every_sync_mode_has_a_registered_name_that_builds_its_mode() -> None:
     """``Trainer(strategy="mpi_<mode>")`` in both Lightning packages and ``Fabric(strategy="mpi_<mode>")`` build the
     strategy with that mode, and under SLURM variables get the MPI environment (Lightning would pick its
     SLURMEnvironment for an unknown name)."""
-    result = _python(
+    result = _run_python(
         """
         import lightning.pytorch as L
         import pytorch_lightning as PL
@@ -130,8 +198,9 @@ def test_every_sync_mode_has_a_registered_name_that_builds_its_mode() -> None:
                 assert type(sync) is SYNC_MODES[entry.sync], (name, sync)
                 assert type(trainer.strategy.cluster_environment) is environment, trainer.strategy.cluster_environment
                 built.append(f"{name}={sync.name}")
-            assert FabricRegistry[name]["strategy"] is MPIADFabricStrategy
+            assert FabricRegistry[name]["description"] == entry.description
             fabric = Fabric(strategy=name, accelerator="cpu")
+            assert type(fabric.strategy) is MPIADFabricStrategy, fabric.strategy
             assert type(fabric.strategy.sync) is SYNC_MODES[entry.sync], (name, fabric.strategy.sync)
             assert type(fabric.strategy.cluster_environment) is MPIEnvironment
         # every Trainer gets a new mode object (with the mode's defaults), never a shared one
@@ -160,7 +229,7 @@ def test_every_sync_mode_has_a_registered_name_that_builds_its_mode() -> None:
 
 
 def test_plain_python_is_a_world_of_one() -> None:
-    result = _python(
+    result = _run_python(
         """
         import torch, lightning.pytorch as L
         import mpistrategy
@@ -188,7 +257,7 @@ def test_plain_python_is_a_world_of_one() -> None:
 
 
 def test_slurm_tasks_with_a_world_of_one_fail_loudly() -> None:
-    result = _python(
+    result = _run_python(
         """
         import lightning.pytorch as L
         import mpistrategy

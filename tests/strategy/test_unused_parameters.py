@@ -49,13 +49,13 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
-def make_optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
 
 
-def loss_of(net: Branchy, x: torch.Tensor, y: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+def _loss_of(net: Branchy, x: torch.Tensor, y: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(net(x, marked), y)
 
 
@@ -66,10 +66,10 @@ class Automatic(L.LightningModule):
         self.optimizer_name = optimizer
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return loss_of(self.net, *batch)
+        return _loss_of(self.net, *batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.optimizer_name, self.net.parameters())
+        return _make_optimizer(self.optimizer_name, self.net.parameters())
 
 
 class TwoPasses(Automatic):
@@ -83,16 +83,16 @@ class TwoPasses(Automatic):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=self.set_to_none)
-        for half in halves(len(batch[0])):
-            self.manual_backward(loss_of(self.net, *(t[half] for t in batch)) / 2)
+        for half in _halves(len(batch[0])):
+            self.manual_backward(_loss_of(self.net, *(t[half] for t in batch)) / 2)
         optimizer.step()
 
 
-def halves(size: int) -> tuple[slice, slice]:
+def _halves(size: int) -> tuple[slice, slice]:
     return slice(0, size // 2), slice(size // 2, size)
 
 
-def branch_data(batches: int, marked_halves: set[int]) -> TensorDataset:
+def _branch_data(batches: int, marked_halves: set[int]) -> TensorDataset:
     """Regression data for ``batches`` batches per rank, with the samples of one process's half batches
     ``marked_halves`` marked where they go to rank 0.
 
@@ -109,7 +109,7 @@ def branch_data(batches: int, marked_halves: set[int]) -> TensorDataset:
     return TensorDataset(x, y, marked)
 
 
-def batches_of(data: TensorDataset, size: int, rank: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+def _batches_of(data: TensorDataset, size: int, rank: int | None = None) -> list[tuple[torch.Tensor, ...]]:
     """The batches of ``size`` in the sampler's order: one process's (N * PER_RANK_BATCH), or ``rank``'s own."""
     ordered = epoch_order(data).tensors
     if rank is not None:
@@ -117,7 +117,7 @@ def batches_of(data: TensorDataset, size: int, rank: int | None = None) -> list[
     return [tuple(t[start : start + size] for t in ordered) for start in range(0, len(ordered[0]), size)]
 
 
-def reference(
+def _reference(
     optimizer_name: str,
     batches: list[tuple[torch.Tensor, ...]],
     accumulate: int = 1,
@@ -126,22 +126,22 @@ def reference(
 ) -> tuple[Branchy, torch.optim.Optimizer]:
     """One process, plain PyTorch: STEPS optimizer steps of ``accumulate`` consecutive ``batches`` each."""
     net = Branchy()
-    optimizer = make_optimizer(optimizer_name, net.parameters())
+    optimizer = _make_optimizer(optimizer_name, net.parameters())
     micro_batches = iter(batches)
     for _ in range(STEPS):
         optimizer.zero_grad(set_to_none=set_to_none)
         for _ in range(accumulate):
             x, y, marked = next(micro_batches)
             if two_passes:
-                for half in halves(len(x)):
-                    (loss_of(net, x[half], y[half], marked[half]) / 2).backward()
+                for half in _halves(len(x)):
+                    (_loss_of(net, x[half], y[half], marked[half]) / 2).backward()
             else:
-                (loss_of(net, x, y, marked) / accumulate).backward()
+                (_loss_of(net, x, y, marked) / accumulate).backward()
         optimizer.step()
     return net, optimizer
 
 
-def assert_trained_as_one_process(
+def _assert_trained_as_one_process(
     net: Branchy,
     optimizer: torch.optim.Optimizer,
     want_net: Branchy,
@@ -195,13 +195,13 @@ def test_unused_partly_used_and_frozen_parameters_train_as_one_process(
     optimizer: str, pattern: tuple[int, set[int]], options: dict[str, Any]
 ) -> None:
     accumulate, marked_halves = pattern
-    data = branch_data(STEPS * accumulate, marked_halves)
+    data = _branch_data(STEPS * accumulate, marked_halves)
     model = Automatic(optimizer)
     fit = trainer(strategy=MPIADStrategy(**options), max_steps=STEPS, accumulate_grad_batches=accumulate)
     fit.fit(model, loader(data, PER_RANK_BATCH))
     assert fit.global_step == STEPS
-    want = reference(optimizer, batches_of(data, SIZE * PER_RANK_BATCH), accumulate)
-    assert_trained_as_one_process(model.net, fit.optimizers[0], *want)
+    want = _reference(optimizer, _batches_of(data, SIZE * PER_RANK_BATCH), accumulate)
+    _assert_trained_as_one_process(model.net, fit.optimizers[0], *want)
 
 
 @pytest.mark.mpi(ranks=(1, 2, 3), timeout=120)
@@ -210,25 +210,25 @@ def test_several_backward_passes_per_step_train_as_one_process(set_to_none: bool
     """Manual optimization, two backward passes per step; the branch is used in the first pass only, the second
     only, neither, both. With set_to_none=False a parameter that had a gradient keeps a zero one, which AdamW's
     weight decay and moments act on in one process too."""
-    data = branch_data(STEPS, {0, 3, 6, 7})
+    data = _branch_data(STEPS, {0, 3, 6, 7})
     model = TwoPasses("adamw", set_to_none)
     fit = trainer(max_steps=STEPS)
     fit.fit(model, loader(data, PER_RANK_BATCH))
     assert fit.global_step == STEPS
-    want = reference("adamw", batches_of(data, SIZE * PER_RANK_BATCH), two_passes=True, set_to_none=set_to_none)
-    assert_trained_as_one_process(model.net, fit.optimizers[0], *want)
+    want = _reference("adamw", _batches_of(data, SIZE * PER_RANK_BATCH), two_passes=True, set_to_none=set_to_none)
+    _assert_trained_as_one_process(model.net, fit.optimizers[0], *want)
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
 def test_local_steps_train_each_rank_as_one_process_on_its_batches() -> None:
     """Local SGD before its first model average: no gradient communication, so every rank is one process on its
     own batches; rank 0 takes the branch in steps 0 and 3, the other ranks never."""
-    data = branch_data(STEPS, STEPS_PATTERN[1])
+    data = _branch_data(STEPS, STEPS_PATTERN[1])
     model = Automatic("adamw")
     fit = trainer(strategy=MPIADStrategy(sync=LocalSGD(period=STEPS + 1)), max_steps=STEPS)
     fit.fit(model, loader(data, PER_RANK_BATCH))
     assert fit.global_step == STEPS
-    want = reference("adamw", batches_of(data, PER_RANK_BATCH, rank=RANK))
-    assert_trained_as_one_process(model.net, fit.optimizers[0], *want, branch_trains=RANK == 0)
+    want = _reference("adamw", _batches_of(data, PER_RANK_BATCH, rank=RANK))
+    _assert_trained_as_one_process(model.net, fit.optimizers[0], *want, branch_trains=RANK == 0)
     if RANK:
         assert torch.equal(model.net.branch.weight, Branchy().branch.weight), "a branch this rank never took moved"

@@ -1,4 +1,5 @@
-"""The torch.distributed node transport meets in a directory only this user can open, and removes it afterwards."""
+"""Node transports: what `auto` picks; the torch.distributed transport meets in a directory only this user can open
+and removes afterwards."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.comm.topology import topology
-from mpistrategy.sync.transport import node_transport
+from mpistrategy.sync.transport import MPINodeTransport, choose_node_transport, node_transport
 
 
 @pytest.mark.mpi(ranks=(3,), timeout=120)
@@ -35,3 +36,31 @@ def test_the_gloo_group_meets_in_a_private_directory_that_goes_away_with_it(
     gc.collect()
     world.Barrier()
     assert not directory.exists(), "the rendezvous directory outlived the group"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "nccl", "chosen"),
+    [
+        (["GPU-a", "GPU-b", "GPU-c", "GPU-d"], True, "nccl"),  # a GPU per rank
+        (["GPU-a", "GPU-a"], True, "mpi"),  # two ranks share one GPU: NCCL refuses that
+        (["GPU-a", "GPU-b", "GPU-a"], True, "mpi"),
+        (["GPU-a"], True, "mpi"),  # one rank on the node: nothing to move inside it
+        (["GPU-a", "GPU-b"], False, "mpi"),  # no NCCL in this torch build
+        ([None, None], True, "mpi"),  # the model is on the CPU
+        (["GPU-a", None], True, "mpi"),
+    ],
+)
+def test_auto_picks_nccl_only_for_a_node_whose_ranks_each_have_a_gpu(
+    gpus: list[str | None], nccl: bool, chosen: str
+) -> None:
+    assert choose_node_transport(gpus, nccl) == chosen
+
+
+@pytest.mark.mpi(ranks=(3,), timeout=120)
+def test_auto_on_the_cpu_is_the_node_mpi_communicator() -> None:
+    here = topology(ranks_per_node=3)
+    transport = node_transport(here, "auto", torch.device("cpu"))
+    assert isinstance(transport, MPINodeTransport) and transport.size == 3
+    tensor = torch.full((4,), float(here.local_rank), dtype=torch.float64)
+    transport.start_sum(tensor).wait()
+    assert torch.equal(tensor, torch.full((4,), 3.0, dtype=torch.float64))

@@ -1,0 +1,111 @@
+"""Checkpoints of sharded optimizers: a stop and resume ends bit for bit where an uninterrupted run ends; a checkpoint
+loads on another number of ranks (re-sharded), also into an unsharded run, with the state ``consolidate`` gives;
+damaged shard files are refused on every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from mpistrategy.launch import mpiexec_command
+from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
+from mpistrategy.strategy.sharding.checkpoint import KEY, consolidate
+from tests.mpi_harness import clean_environ
+from tests.strategy.helpers import COMM, RANK, loader, shared_tmpdir, trainer
+from tests.strategy.resume import assert_same_training_state, fit_noisy, stop_then_resume
+from tests.strategy.sharding.helpers import BATCH, DeepNet, data
+
+SCRIPT = Path(__file__).parent / "scripts" / "reshard_job.py"
+BATCHES_PER_EPOCH, EPOCHS = 6, 2
+MODES = ("optimizer", "gradients")
+outer_only = pytest.mark.skipif(
+    os.environ.get("MPISTRATEGY_TEST_NRANKS") is not None or "PMI_RANK" in os.environ,
+    reason="launches its own mpiexec jobs; run from the plain (outer) pytest",
+)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=240)
+@pytest.mark.parametrize("shard", MODES)
+def test_stop_then_resume_ends_bit_identical_to_an_uninterrupted_run(shard: str) -> None:
+    options = {"epochs": EPOCHS, "batches_per_epoch": BATCHES_PER_EPOCH, "strategy": lambda: MPIADStrategy(shard=shard)}
+    model, fit, code = fit_noisy(shared_tmpdir(), **options)
+    assert code is None
+    resumed = stop_then_resume(shared_tmpdir(), signal.SIGUSR1, 7, **options)
+    assert_same_training_state(resumed, (model, fit))
+    directory = resumed[1].default_root_dir
+    shards = sorted(os.listdir(os.path.join(directory, "hpc_ckpt_1.ckpt.shards")))
+    assert len(shards) == resumed[1].world_size and all(f"-of{resumed[1].world_size:05d}.pt" in n for n in shards)
+
+
+def _epoch_checkpoints(directory: str) -> None:
+    saving = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=1, monitor="step", mode="max")
+    fit = trainer(
+        strategy=MPIADStrategy(shard="gradients"), max_epochs=3, callbacks=[saving], enable_checkpointing=True
+    )
+    fit.fit(DeepNet(), loader(data(3, 1), BATCH))
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=240)
+def test_a_damaged_or_missing_shard_is_refused_on_every_rank() -> None:
+    directory = shared_tmpdir()
+    _epoch_checkpoints(directory)
+    COMM.Barrier()  # rank 0 removed the replaced checkpoints
+    assert sorted(n for n in os.listdir(directory) if not n.startswith(".")) == ["epoch=2.ckpt", "epoch=2.ckpt.shards"]
+    shards = os.path.join(directory, "epoch=2.ckpt.shards")
+    names = sorted(os.listdir(shards))
+    assert len(names) == 2, "the replaced checkpoints' shards were not removed"
+    if RANK == 0:
+        with open(os.path.join(shards, names[1]), "r+b") as handle:
+            handle.seek(100)
+            handle.write(b"\0\1\2\3")
+    COMM.Barrier()
+    resume = trainer(strategy=MPIADStrategy(shard="gradients"), max_epochs=4)
+    with pytest.raises((CorruptCheckpointError, RuntimeError), match="corrupt|could not load"):
+        resume.fit(DeepNet(), loader(data(3, 1), BATCH), ckpt_path=os.path.join(directory, "epoch=2.ckpt"))
+
+
+def _job(mode: str, shard: str, ranks: int, directory: str) -> None:
+    env = clean_environ()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[3]), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    command = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(SCRIPT), mode, shard, directory]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=400, check=False)
+    assert done.returncode == 0, f"{mode} at {ranks} ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert sorted(got["state"]) == sorted(want["state"])
+    for index, values in want["state"].items():
+        for key, value in values.items():
+            assert torch.equal(got["state"][index][key], value), f"{key} of parameter {index}"
+    assert [g["lr"] for g in got["param_groups"]] == [g["lr"] for g in want["param_groups"]]
+
+
+@outer_only
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 3)])
+def test_resume_on_another_number_of_ranks_has_the_consolidated_state(saved_at: int, loaded_at: int) -> None:
+    """Saved with ``shard='gradients'`` at one number of ranks, loaded at another: sharded (``shard='optimizer'``,
+    re-sharded) and unsharded, the restored state is the consolidated one, and both continue alike."""
+    directory = tempfile.mkdtemp(prefix="mpistrategy-reshard-")
+    _job("save", "gradients", saved_at, directory)
+    consolidated = consolidate(os.path.join(directory, "saved.ckpt"))
+    plain = consolidated["optimizer_states"][0]
+    named = list(DeepNet().named_parameters())
+    in_order = [p for n, p in named if n.endswith("weight")] + [p for n, p in named if n.endswith("bias")]
+    assert KEY not in plain and len(plain["state"]) == len(in_order) - 4  # no state: unused and frozen layers
+    for index, values in plain["state"].items():
+        assert values["exp_avg"].shape == values["exp_avg_sq"].shape == in_order[index].shape
+    _job("load", "optimizer", loaded_at, directory)
+    loaded = torch.load(os.path.join(directory, "loaded-optimizer.pt"), weights_only=False)
+    _assert_same_state(loaded["restored"], plain)
+    _assert_same_state(loaded["restored_unsharded"], plain)
+    torch.testing.assert_close(loaded["sharded_params"], loaded["unsharded_params"], rtol=0, atol=1e-6)

@@ -1,0 +1,70 @@
+"""ZeRO stages 1 and 2 against flat mpi_ad, after 20 AdamW steps with gradient clipping and accumulation: the same
+parameters and optimizer state (float32, to 1e-6), and the memory each rank holds, measured from its tensors.
+
+The model has a frozen layer, a parameter no rank uses and a head only rank 0 uses; the shards are uneven at 3
+ranks. Hierarchical sync runs on virtual nodes of 2 ranks (at 3 ranks: nodes of 2 and 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.strategy.helpers import SIZE, assert_same_on_all_ranks
+from tests.strategy.sharding.helpers import BUCKET_CAP_MB, DeepNet, fit, parameter_vector
+
+MODES = ("optimizer", "gradients")
+TOLERANCE = {"rtol": 0, "atol": 1e-6}
+
+
+def _assert_same_state(got: dict | None, want: dict | None) -> None:
+    if want is None:
+        return
+    assert got is not None and sorted(got["state"]) == sorted(want["state"])
+    for index, values in want["state"].items():
+        assert sorted(got["state"][index]) == sorted(values)
+        for key, value in values.items():
+            torch.testing.assert_close(got["state"][index][key], value, **TOLERANCE, msg=f"{key} of parameter {index}")
+    assert [g["lr"] for g in got["param_groups"]] == [g["lr"] for g in want["param_groups"]]
+
+
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=240)
+@pytest.mark.parametrize("shard", MODES)
+def test_sharded_training_equals_flat(shard: str) -> None:
+    flat, sharded = fit(None), fit(shard)
+    assert not torch.equal(flat.params, parameter_vector(DeepNet())), "training did not move the parameters"
+    torch.testing.assert_close(sharded.params, flat.params, **TOLERANCE)
+    assert_same_on_all_ranks(sharded.params, "parameters")
+    _assert_same_state(sharded.optimizer_state, flat.optimizer_state)
+    if flat.optimizer_state is not None:  # the unused parameter and the frozen layer never got state
+        assert len(flat.optimizer_state["state"]) == len(list(DeepNet().parameters())) - 4
+
+
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=240)
+@pytest.mark.parametrize("shard", MODES)
+def test_optimizer_state_per_rank_is_a_shard_of_flat(shard: str) -> None:
+    flat, sharded = fit(None), fit(shard)
+    assert flat.optimizer_state_bytes > 0 and sharded.shards == SIZE
+    assert sharded.optimizer_state_bytes <= flat.optimizer_state_bytes / SIZE * 1.01
+
+
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=240)
+def test_stage_two_holds_a_gradient_shard_and_at_most_one_bucket() -> None:
+    flat, stage_one, stage_two = fit(None), fit("optimizer"), fit("gradients")
+    gradients = sum(p.numel() * p.element_size() for p in DeepNet().parameters() if p.requires_grad)
+    assert flat.peak_grad_bytes >= gradients and stage_one.peak_grad_bytes >= gradients
+    bound = gradients / SIZE + BUCKET_CAP_MB * 1024 * 1024
+    assert stage_two.peak_grad_bytes <= bound, f"{stage_two.peak_grad_bytes} bytes > {bound}"
+    assert stage_two.grad_bytes_after_backward <= gradients / SIZE + 64
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=240)
+@pytest.mark.parametrize("shard", MODES)
+def test_sharded_inside_nodes_under_hierarchical_sync_equals_flat(shard: str) -> None:
+    """4 ranks as 2 nodes of 2: each node splits one copy of the state in two."""
+    flat, sharded = fit(None), fit(shard, sync="hierarchical")
+    torch.testing.assert_close(sharded.params, flat.params, **TOLERANCE)
+    assert_same_on_all_ranks(sharded.params, "parameters")
+    _assert_same_state(sharded.optimizer_state, flat.optimizer_state)
+    assert sharded.shards == 2
+    assert sharded.optimizer_state_bytes <= flat.optimizer_state_bytes / 2 * 1.01
