@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -21,7 +23,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def offsets(sizes: list[int]) -> list[int]:
+def offsets(sizes: Sequence[int]) -> list[int]:
     """Exclusive prefix sums of ``sizes``: where each block starts."""
     starts, position = [], 0
     for size in sizes:

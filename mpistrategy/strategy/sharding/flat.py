@@ -16,8 +16,9 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from mpistrategy.collectives._layout import offsets
 from mpistrategy.comm.buffers import mpi_buffer, needs_staging
-from mpistrategy.strategy.sharding.layout import Piece, parameter_offsets, shard_bounds, shard_pieces
+from mpistrategy.strategy.sharding.layout import Piece, shard_bounds, shard_pieces
 
 
 class FlatParameters:
@@ -32,7 +33,7 @@ class FlatParameters:
         self.params = list(params)
         self.comm = comm
         self.sizes = [p.numel() for p in self.params]
-        self.offsets = parameter_offsets(self.sizes)
+        self.offsets = offsets(self.sizes)
         self.bounds = shard_bounds(sum(self.sizes), comm.Get_size())
         first = self.params[0]
         self.flat = torch.empty(sum(self.sizes), dtype=first.dtype, device=first.device)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mpistrategy.collectives._layout import offsets
+
 
 def shard_bounds(total: int, shards: int) -> list[int]:
     """``[b_0, ..., b_N]``: shard ``r`` holds elements ``[b_r, b_{r+1})`` of ``total`` (``b_r = floor(r T / N)``)."""
@@ -41,19 +43,10 @@ class Piece:
         return self.stop - self.start
 
 
-def parameter_offsets(sizes: Sequence[int]) -> list[int]:
-    """Where each parameter begins in the flat order (``sizes``: elements per parameter, in that order)."""
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += size
-    return offsets
-
-
 def pieces_in(sizes: Sequence[int], start: int, stop: int) -> list[Piece]:
     """The pieces of the parameters of ``sizes`` that lie in elements ``[start, stop)`` of the flat order."""
     found = []
-    for index, (offset, size) in enumerate(zip(parameter_offsets(sizes), sizes, strict=True)):
+    for index, (offset, size) in enumerate(zip(offsets(sizes), sizes, strict=True)):
         low, high = max(start, offset), min(stop, offset + size)
         if low < high:
             found.append(Piece(index, low - offset, high - offset, low))
