@@ -56,23 +56,13 @@ from mpistrategy.comm.buffers import (
     to_mean,
 )
 from mpistrategy.comm.calls import CODE_NAMES
-from mpistrategy.comm.checks import Exchange, check_dim, check_on_node, check_rank, checked, grad_flag, signature
+from mpistrategy.comm.checks import check_dim, check_rank, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.pool import receive_pool
-from mpistrategy.comm.shm import SharedWork, built_group, check_exchange, group_for, uses_shared_memory
+from mpistrategy.comm.shm import SharedWork, check_exchange, group_for, uses_shared_memory
 
 _OP_CODES = {name: code for code, name in enumerate(REDUCE_OPS)}
 CODE_NAMES["op"] = dict(enumerate(REDUCE_OPS))  # error messages and the call log show op=sum, not op=0
-
-
-def _node_exchange(comm: Communicator) -> Exchange | None:
-    """Where every op on ``comm`` checks its call besides MPI: the flags of the shared-memory group that its
-    allreduces check through, once that group exists (so an allreduce and another op meet in one check)."""
-    group = built_group(comm.forward)
-    return None if group is None else group.exchange_check
-
-
-check_on_node(_node_exchange)
 
 
 def _complete(result: torch.Tensor, op: str, size: int) -> None:

@@ -170,7 +170,7 @@ _node_exchange: Callable[[Communicator], Exchange | None] = _no_node_exchange
 def check_on_node(find: Callable[[Communicator], Exchange | None]) -> None:
     """Check every op on a communicator through ``find(comm)`` too, when it returns an exchange (see :func:`agree`).
 
-    :mod:`mpistrategy.collectives.reduction` passes the shared-memory flags that an allreduce on the communicator
+    :mod:`mpistrategy.comm.shm.registry` passes the shared-memory flags that an allreduce on the communicator
     checks through once its ranks have them: a rank in another op then meets that allreduce's check there, and
     both raise the error that names both calls, instead of one waiting in the flags and the other in MPI.
     """

@@ -7,7 +7,7 @@ import threading
 import torch
 from mpi4py import MPI
 
-from mpistrategy.comm.checks import Exchange
+from mpistrategy.comm.checks import Exchange, check_on_node
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.shm.group import SharedMemoryGroup
 from mpistrategy.comm.shm.settings import require_alike, shared_memory_mode, uses_shared_memory
@@ -52,6 +52,16 @@ def check_exchange(channel: MPI.Intracomm, tensor: object, op: str) -> Exchange 
     if isinstance(tensor, torch.Tensor) and not tensor.is_meta and uses_shared_memory(tensor, op, group.size):
         return group.defer_check
     return group.exchange_check
+
+
+def node_exchange(comm: Communicator) -> Exchange | None:
+    """Where every op on ``comm`` checks its call besides MPI: the flags of the shared-memory group that its
+    allreduces check through, once that group exists (so an allreduce and another op meet in one check)."""
+    group = built_group(comm.forward)
+    return None if group is None else group.exchange_check
+
+
+check_on_node(node_exchange)
 
 
 def buffer_ranks() -> MPI.Intracomm | None:
