@@ -19,6 +19,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from mpistrategy.strategy.sharding.options import SHARD_MODES
 from mpistrategy.sync.daso import DOWNCAST_TYPES
 from mpistrategy.sync.gossip import GRAPHS as GOSSIP_GRAPHS
 from mpistrategy.sync.transport import NODE_TRANSPORTS
@@ -82,6 +83,7 @@ def _choices(name: str, values: Iterable[str], doc: str) -> type[Enum]:
 
 
 NodeTransport = _choices("NodeTransport", NODE_TRANSPORTS, "How node-local gradient averaging travels.")
+ShardMode = _choices("ShardMode", SHARD_MODES, "Which training state is split over the ranks (ZeRO stage 1 or 2).")
 GossipGraph = _choices("GossipGraph", (*GOSSIP_GRAPHS, "custom"), "Gossip's graph; custom: the neighbours field.")
 Downcast = _choices(
     "Downcast", (name for name in DOWNCAST_TYPES if name is not None), "DASO's precision of inter-node averages."
@@ -108,6 +110,9 @@ class MPIADStrategyConf:
     first_bucket_cap_mb: float = 1.0
     #: a gradient of at least this many MB is its own bucket, combined in place where autograd put it
     own_bucket_mb: float = 1.0
+    #: split the training state over the ranks (ZeRO): optimizer (stage 1: optimizer state) or gradients (stage 2:
+    #: also the averaged gradients); null = every rank keeps everything. Sync flat or hierarchical only.
+    shard: ShardMode | None = None  # type: ignore[valid-type]
     abort_on_exception: bool = True
     #: signals that stop every rank together at the same step (after a checkpoint): SLURM's time-limit warning
     #: (--signal=USR1@<s>) and scancel/preemption (SIGTERM)

@@ -38,6 +38,7 @@ import contextlib
 import copy
 import functools
 import logging
+import os
 import signal
 from collections.abc import Callable, Generator
 from typing import Any
@@ -58,6 +59,8 @@ from torch import Tensor, nn
 from mpistrategy.strategy import checkpoints, failures
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
+from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         self._aggregator_template = copy.deepcopy(self.aggregator)
         self._engines: list[tuple[nn.Module, DataParallelEngine]] = []
         self._pending_states: list[dict[str, Any]] = []
+        self._routed: list[tuple[torch.optim.Optimizer, type]] = []  # optimizers given a routed class, their own
 
     @property
     def engines(self) -> list[DataParallelEngine]:
@@ -129,6 +133,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
             if optimizer not in engine.optimizers and any(id(p) in params for p in module.parameters()):
                 engine.add_optimizer(optimizer)
                 engine.attach_optimizer(optimizer)
+                self._route_zero_grad(optimizer)
         return optimizer
 
     def _setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -148,11 +153,25 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
             )
         for optimizer in optimizers:
             engine.attach_optimizer(optimizer)
+            self._route_zero_grad(optimizer)
         index = len(self._engines)
         self._engines.append((module, engine))
         if index < len(self._pending_states):
             engine.load_state_dict(self._pending_states[index])
             engine.restore_replica(self._pending_states[index])
+
+    def _route_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``zero_grad`` of the wrapper Fabric puts around ``optimizer`` the engine's.
+
+        Fabric's wrapper is an instance of a subclass of the optimizer's class, so its ``zero_grad`` is the class's
+        and would miss the engine's, set on the optimizer object: it would reset the pieces a sharded optimizer
+        steps instead of the model's gradients. The optimizer gets a subclass of its class (same name, restored at
+        teardown) whose ``zero_grad`` calls the optimizer object's own.
+        """
+        original = type(optimizer)
+        if not issubclass(original, _RoutedZeroGrad):
+            optimizer.__class__ = _routed_class(original)
+            self._routed.append((optimizer, original))
 
     # ------------------------------------------------------------------------------------------ training
 
@@ -201,11 +220,10 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
     ) -> Tensor:
         """Fabric's clipping by norm; a sharded optimizer's gradients are clipped by the norm of the whole gradient
         (collective over the ranks that share its state)."""
-        for _, engine in self._engines:
-            sharded = engine.sharding.sharded(optimizer) if engine.sharding is not None else None
-            if sharded is not None:
-                self.precision.unscale_gradients(optimizer)
-                return sharded.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        sharded = self._sharded(optimizer)
+        if sharded is not None:
+            self.precision.unscale_gradients(optimizer)
+            return sharded.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
 
     def begin_epoch(self, epoch: int, steps: int | None = None, total_epochs: int | None = None) -> None:
@@ -230,13 +248,53 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
     ) -> None:
         """Collective: rank 0 writes the state atomically, sealed with a SHA-256; every rank learns the outcome.
         The engines' state goes under ``"mpistrategy"`` when a sync mode or aggregator keeps some or the replicas
-        differ between ranks."""
-        checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        differ between ranks. A sharded optimizer's entry is a manifest; the ranks of one copy of its state write
+        their shard files beside ``path`` first (see :mod:`~mpistrategy.strategy.sharding.checkpoint`)."""
+        unsharded = {key: sharded_checkpoint.placeholder() if self._sharded(obj) else obj for key, obj in state.items()}
+        checkpoint = self._convert_stateful_objects_in_state(unsharded, filter=filter or {})
         engine_states = [engine.state_dict() for _, engine in self._engines]
         if any(_carries_state(engine_state) for engine_state in engine_states):
             checkpoint[checkpoints.KEY] = {"engines": engine_states}
+        token = self._save_optimizer_shards(state, checkpoint, os.fspath(path))
         save = functools.partial(self.checkpoint_io.save_checkpoint, storage_options=storage_options)
         checkpoints.write_on_rank_zero(checkpoint, path, save, self.topology.control)
+        if token is not None and self.is_global_zero:
+            sharded_checkpoint.committed(os.fspath(path), token)
+
+    def _sharded(self, optimizer: Any) -> ShardedOptimizer | None:
+        """The sharded form of ``optimizer``, if it is an optimizer some model's engine shards (its
+        ``state_dict()`` is then the state of this rank's pieces)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return None
+        for _, engine in self._engines:
+            sharded = engine.sharding.sharded(optimizer) if engine.sharding is not None else None
+            if sharded is not None:
+                return sharded
+        return None
+
+    def _save_optimizer_shards(self, state: dict[str, Any], checkpoint: Checkpoint, path: str) -> str | None:
+        """Collective: each model's sharded optimizers in ``state`` write their shard files (part: the model's
+        number) and rank 0 puts their manifests into ``checkpoint``; returns the save's token (``None``: nothing
+        sharded to save)."""
+        optimizers = [(name, obj) for name, obj in state.items() if isinstance(obj, torch.optim.Optimizer)]
+        parts = []
+        for part, (_, engine) in enumerate(self._engines):
+            found = [(name, engine.sharding.sharded(obj)) for name, obj in optimizers] if engine.sharding else []
+            named = [(name, sharded) for name, sharded in found if sharded is not None]
+            if named:
+                parts.append((part, engine.sharding, named))
+        if not parts:
+            return None
+        control = self.topology.control
+        token = sharded_checkpoint.new_token(control)
+        for part, sharding, named in parts:
+            assert sharding is not None
+            mine = [sharded for _, sharded in named]
+            manifests = sharded_checkpoint.save(path, mine, sharding.group, control, token, part)
+            for (name, _), manifest in zip(named, manifests, strict=True):
+                if self.is_global_zero and name in checkpoint:
+                    checkpoint[name] = manifest
+        return token
 
     def load_checkpoint(
         self,
@@ -247,25 +305,49 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
     ) -> Checkpoint:
         """Collective: every rank verifies and reads the checkpoint (a corrupt one raises
         ``CorruptCheckpointError`` on every rank) and restores ``state`` from it as Fabric does; then the engines'
-        state and this rank's replica (for models not set up yet: when they are)."""
+        state and this rank's replica (for models not set up yet: when they are). A sharded optimizer loads the
+        pieces of its shard from the shard files, re-sharded if the checkpoint has another number of shards; an
+        unsharded one loads a sharded checkpoint's state consolidated."""
         load = functools.partial(self.checkpoint_io.load_checkpoint, weights_only=weights_only)
         checkpoint = checkpoints.read(path, load, self.topology.control)
         if isinstance(state, (nn.Module, torch.optim.Optimizer)):  # a raw state dict (``fabric.load_raw``)
+            if isinstance(state, torch.optim.Optimizer):
+                (entry,) = self._restore_optimizers([state], [checkpoint], path)
+                return {} if entry is None else self._restore(entry, state, strict)
             return self._restore(checkpoint, state, strict)
         ours = checkpoint.pop(checkpoints.KEY, None)
         engine_states = list(ours.get("engines", [])) if ours else []
         for (_, engine), engine_state in zip(self._engines, engine_states, strict=False):
             engine.load_state_dict(engine_state)
-        remainder = self._restore(checkpoint, state, strict)
+        restored: set[str] = set()
+        if state:
+            names = [n for n, obj in state.items() if isinstance(obj, torch.optim.Optimizer) and n in checkpoint]
+            entries = self._restore_optimizers([state[n] for n in names], [checkpoint[n] for n in names], path)
+            for name, entry in zip(names, entries, strict=True):
+                if entry is None:
+                    restored.add(name)
+                else:
+                    checkpoint[name] = entry
+        remainder = self._restore(checkpoint, state, strict, restored)
         for (_, engine), engine_state in zip(self._engines, engine_states, strict=False):
             engine.restore_replica(engine_state)
         self._pending_states = engine_states
         return remainder
 
+    def _restore_optimizers(self, optimizers: list[Any], entries: list[Any], path: Any) -> list[Any]:
+        """Collective: load the sharded ones of ``optimizers`` from their ``entries``; returns what the others
+        load (``None`` for the sharded ones; see :func:`~mpistrategy.strategy.sharding.checkpoint.restore`)."""
+        return sharded_checkpoint.restore(optimizers, entries, os.fspath(path), self._sharded, self.topology.control)
+
     def _restore(
-        self, checkpoint: Checkpoint, state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None, strict: bool
+        self,
+        checkpoint: Checkpoint,
+        state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None,
+        strict: bool,
+        restored: set[str] | frozenset[str] = frozenset(),
     ) -> Checkpoint:
-        """Restore ``state`` from ``checkpoint`` with Fabric's rules; returns what was not restored."""
+        """Restore ``state`` from ``checkpoint`` with Fabric's rules, but for the names in ``restored`` (loaded
+        already); returns what was not restored."""
         if not state:
             return checkpoint
         if isinstance(state, nn.Module):
@@ -279,6 +361,8 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
             if name not in checkpoint:
                 continue
             value = checkpoint.pop(name)
+            if name in restored:
+                continue
             if isinstance(obj, nn.Module):
                 self.load_module_state_dict(module=obj, state_dict=value, strict=strict)
             elif isinstance(obj, _Stateful):
@@ -293,12 +377,38 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         for _, engine in self._engines:
             engine.teardown()
         self._engines = []
+        for optimizer, original in self._routed:
+            optimizer.__class__ = original
+        self._routed = []
         self._release_stop_signals()
         super().teardown()
 
     def __repr__(self) -> str:
         name = type(self).__name__
         return f"{name}(world_size={self.world_size}, sync={self.sync!r}, aggregator={self.aggregator!r})"
+
+
+class _RoutedZeroGrad:
+    """Mixed into an optimizer's class by :meth:`MPIADFabricStrategy._route_zero_grad`."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        optimizer = vars(self).get("_optimizer", self)  # Fabric's wrapper holds the optimizer as ``_optimizer``
+        own = vars(optimizer).get("zero_grad")
+        if own is not None:
+            own(set_to_none)
+        else:
+            super().zero_grad(set_to_none)  # type: ignore[misc]
+
+
+_ROUTED_CLASSES: dict[type, type] = {}
+
+
+def _routed_class(original: type) -> type:
+    """``original`` with :class:`_RoutedZeroGrad`'s ``zero_grad``, under the same name (one class per original)."""
+    if original not in _ROUTED_CLASSES:
+        namespace = {"__module__": original.__module__, "__qualname__": original.__qualname__}
+        _ROUTED_CLASSES[original] = type(original.__name__, (_RoutedZeroGrad, original), namespace)
+    return _ROUTED_CLASSES[original]
 
 
 def _carries_state(engine_state: dict[str, Any]) -> bool:

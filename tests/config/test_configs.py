@@ -217,3 +217,15 @@ def test_the_stall_watchdog_and_flight_recorder_are_strategy_options(tmp_path: P
     finally:
         watchdog.set_stall_timeout(before[0], before[1])
         flight.set_flight_directory(before[2])
+
+
+@pytest.mark.parametrize("strategy, shard", [("mpi_ad", "gradients"), ("hierarchical", "optimizer")])
+def test_shard_is_a_strategy_option(strategy: str, shard: str, tmp_path: Path) -> None:
+    from mpistrategy.recipes.builders import build_strategy
+
+    built = build_strategy(_compose([f"strategy={strategy}", f"strategy.shard={shard}"], tmp_path))
+    assert built.shard == shard
+    assert build_strategy(_compose([f"strategy={strategy}"], tmp_path)).shard is None
+    with pytest.raises(ConfigCompositionException) as info:
+        _compose(["strategy.shard=parameters"])
+    assert "strategy.shard" in explain(info.value) and "gradients" in explain(info.value)

@@ -1,0 +1,136 @@
+"""Fabric with ``MPIADFabricStrategy(shard=...)`` (ZeRO stages 1 and 2): training equals one process with the whole
+batch (AdamW and momentum, norm clipping, ``no_backward_sync`` accumulation); ``fabric.save`` writes one shard file
+per rank and a manifest, ``fabric.load`` restores the state exactly (training then continues bit for bit), also into
+an unsharded run and through ``fabric.load_raw``; ``consolidate`` gives the whole optimizer state."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from mpistrategy.strategy import MPIADFabricStrategy
+from mpistrategy.strategy.sharding.checkpoint import KEY, consolidate
+from tests.fabric.helpers import (
+    COMM,
+    OPTIMIZERS,
+    RANK,
+    SIZE,
+    flat_parameters,
+    launched,
+    mlp,
+    rank_batches,
+    reference_training,
+    regression_data,
+    shared_tmpdir,
+)
+
+PER_RANK = 4
+STEPS = 3
+CLIP = 0.05
+MODES = ("optimizer", "gradients")
+
+
+def _set_up(fabric, seed: int, optimizer: str = "adamw"):
+    net = mlp(seed=seed)
+    return fabric.setup(net, OPTIMIZERS[optimizer](net.parameters()))
+
+
+def _train(fabric, model, optimizer, data, accumulate: int = 1) -> None:
+    """Steps over ``data`` with norm clipping; ``accumulate`` micro-batches per step inside ``no_backward_sync``."""
+    for index, (x, y) in enumerate(rank_batches(fabric, data, PER_RANK)):
+        last_micro_batch = (index + 1) % accumulate == 0
+        with fabric.no_backward_sync(model, enabled=not last_micro_batch):
+            fabric.backward(nn.functional.mse_loss(model(x), y) / accumulate)
+        if last_micro_batch:
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _state_on_rank_zero(path: str) -> dict:
+    """The checkpoint's optimizer state, consolidated (rank 0 reads it; every rank gets it)."""
+    return COMM.bcast(consolidate(path)["optimizer"] if RANK == 0 else None, root=0)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("shard", MODES)
+def test_sharded_training_matches_single_process_whole_batch(shard: str, optimizer: str, accumulate: int) -> None:
+    data = regression_data(SIZE * PER_RANK * accumulate * STEPS)
+    fabric = launched(MPIADFabricStrategy(shard=shard))
+    model, opt = _set_up(fabric, seed=1, optimizer=optimizer)
+    _train(fabric, model, opt, data, accumulate)
+
+    reference = mlp(seed=1)
+    ref_opt = OPTIMIZERS[optimizer](reference.parameters())
+    reference_training(reference, data, SIZE * PER_RANK, STEPS, ref_opt, accumulate=accumulate, clip=CLIP)
+    want = flat_parameters(reference)
+    assert not torch.equal(want, flat_parameters(mlp(seed=1))), "the reference did not train"
+    torch.testing.assert_close(flat_parameters(model), want, rtol=1e-10, atol=1e-10)
+    # each rank holds the optimizer state of its shard only: together the ranks hold every element once
+    held = sum(t.numel() for state in opt.state.values() for t in state.values() if torch.is_tensor(t) and t.ndim)
+    assert sum(COMM.allgather(held)) == (2 if optimizer == "adamw" else 1) * want.numel()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+@pytest.mark.parametrize("shard", MODES)
+def test_save_and_load_restore_the_sharded_state_exactly(shard: str) -> None:
+    fabric = launched(MPIADFabricStrategy(shard=shard))
+    path = os.path.join(shared_tmpdir(), "state.ckpt")
+    model, optimizer = _set_up(fabric, seed=1)
+    _train(fabric, model, optimizer, regression_data(SIZE * PER_RANK * STEPS, seed=1))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": STEPS})
+
+    shards = sorted(os.listdir(path + ".shards"))
+    assert len(shards) == SIZE and all(name.endswith(f"-of{SIZE:05d}.pt") for name in shards)
+    whole = _state_on_rank_zero(path)
+    assert len(whole["state"]) == len(list(model.parameters()))
+    for index, parameter in enumerate(model.parameters()):
+        assert whole["state"][index]["exp_avg"].shape == parameter.shape
+    if RANK == 0:
+        assert isinstance(torch.load(path, weights_only=False)["optimizer"][KEY], dict)  # a manifest, not the state
+
+    restored_model, restored_optimizer = _set_up(fabric, seed=2)  # other weights, no optimizer state
+    state = {"model": restored_model, "optimizer": restored_optimizer, "step": 0}
+    assert fabric.load(path, state) == {}
+    assert state["step"] == STEPS
+    assert torch.equal(flat_parameters(restored_model), flat_parameters(model))
+    # ``state_dict()`` of a sharded optimizer: the state of this rank's pieces
+    torch.testing.assert_close(restored_optimizer.state_dict(), optimizer.state_dict(), rtol=0, atol=0)
+    assert len(optimizer.state_dict()["state"]) > 0
+
+    more = regression_data(SIZE * PER_RANK * STEPS, seed=2)
+    _train(fabric, model, optimizer, more)
+    _train(fabric, restored_model, restored_optimizer, more)
+    assert torch.equal(flat_parameters(restored_model), flat_parameters(model))
+
+    fabric.save(path, {"model": model, "optimizer": optimizer})  # the same name again: the older shards go
+    assert len(os.listdir(path + ".shards")) == SIZE
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_a_sharded_checkpoint_loads_into_an_unsharded_run_and_raw() -> None:
+    path = os.path.join(shared_tmpdir(), "state.ckpt")
+    fabric = launched(MPIADFabricStrategy(shard="gradients"))
+    model, optimizer = _set_up(fabric, seed=1)
+    _train(fabric, model, optimizer, regression_data(SIZE * PER_RANK * STEPS, seed=1))
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    whole = _state_on_rank_zero(path)
+
+    plain = launched(MPIADFabricStrategy())
+    plain_model, plain_optimizer = _set_up(plain, seed=2)
+    plain.load(path, {"model": plain_model, "optimizer": plain_optimizer})
+    assert torch.equal(flat_parameters(plain_model), flat_parameters(model))
+    torch.testing.assert_close(plain_optimizer.state_dict()["state"], whole["state"], rtol=0, atol=0)
+
+    raw = os.path.join(shared_tmpdir(), "optimizer.pt")
+    if RANK == 0:
+        torch.save(whole, raw)
+    COMM.Barrier()
+    _, sharded_optimizer = _set_up(fabric, seed=3)
+    fabric.load_raw(raw, sharded_optimizer)  # a plain state dict into a sharded optimizer: each rank its pieces
+    torch.testing.assert_close(sharded_optimizer.state_dict(), optimizer.state_dict(), rtol=0, atol=0)
