@@ -57,6 +57,18 @@ def init_gloo() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
 
 
+def lightning_environment(comm) -> None:
+    """The variables Lightning's LightningEnvironment reads, so that its DDP joins this MPI job's processes (a fresh
+    port every time: a benchmark destroys the process group after each DDP round)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(shared_port(comm)),
+        LOCAL_RANK=str(comm.rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(comm.size),
+    )
+
+
 def shared_port(comm) -> int:
     """A free TCP port on 127.0.0.1, picked by rank 0 of ``comm`` and known to every rank (collective)."""
     port = None

@@ -44,7 +44,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import QUIET_TRAINER, RESULTS, ensure_mpi, paired_range, save, shared_port  # noqa: E402
+from _launch import QUIET_TRAINER, RESULTS, ensure_mpi, lightning_environment, paired_range, save  # noqa: E402
 
 TARGET_VS_DDP = 0.8
 TARGET_VS_HAND = 1.05
@@ -180,18 +180,6 @@ def _plot(rounds: list[dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _lightning_environment(comm) -> None:
-    """The variables Lightning's LightningEnvironment reads, so its DDP joins this MPI job's processes (a fresh
-    port every time: the process group is destroyed after each DDP round)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(shared_port(comm)),
-        LOCAL_RANK=str(comm.rank),
-        NODE_RANK="0",
-        WORLD_SIZE=str(comm.size),
-    )
-
-
 def _model():
     import torch
     from torch import nn
@@ -248,7 +236,7 @@ def _trainer_run(kind: str):
         timer = StepTimer()
         options = dict(accelerator="cpu", max_steps=steps, callbacks=[timer], **QUIET_TRAINER)
         if kind == "ddp":
-            _lightning_environment(MPI.COMM_WORLD)
+            lightning_environment(MPI.COMM_WORLD)
             strategy = DDPStrategy(process_group_backend="gloo")
             trainer = L.Trainer(
                 strategy=strategy, devices=size, num_nodes=1, plugins=[LightningEnvironment()], **options

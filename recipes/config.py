@@ -106,6 +106,8 @@ class MPIADStrategyConf:
     node_transport: NodeTransport = NodeTransport.auto  # type: ignore[attr-defined]
     #: log comm/bytes_per_step, comm/node_bytes_per_step and comm/inter_node_bytes_per_step every optimizer step
     log_traffic: bool = True
+    #: log memory/rank<r>/{param,grad,optimizer_state}_bytes (every rank's, measured from its tensors) likewise
+    log_memory: bool = True
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     #: a gradient of at least this many MB is its own bucket, combined in place where autograd put it

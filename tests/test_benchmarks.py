@@ -149,3 +149,29 @@ def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios
         [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu"], capture_output=True, text=True, check=False
     )
     assert refused.returncode == 2 and "--device cpu: give --results DIR" in refused.stderr
+
+
+def test_zero_benchmark_times_every_contender_and_measures_the_state(tmp_path: Path) -> None:
+    output = run_benchmark("zero.py", tmp_path, "--models", "mlp")
+    payload = json.loads((tmp_path / "zero.json").read_text())
+    assert set(payload) == {"steps", "warmup", "rounds", "jobs"} and payload["rounds"] == 1
+    (job,) = payload["jobs"]
+    assert job["ranks"] == 2 and set(job["models"]) == {"mlp"}
+    result = job["models"]["mlp"]
+    assert result["parameters"] == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+    contenders = {"flat", "stage1", "stage2", "ddp", "ddp_zero"}
+    assert set(result["median_ms_per_step"]) == contenders and set(result["rounds"][0]) == contenders
+    for name, value in result["median_ms_per_step"].items():
+        assert_positive(value, name)
+        assert value == result["rounds"][0][name]  # one round: its median is the round's
+    for label, ratio in result["ratios"].items():
+        contender, reference = label.split("_vs_")
+        assert ratio == result["rounds"][0][contender] / result["rounds"][0][reference], label
+    state = result["optimizer_state_bytes_per_rank"]
+    # AdamW keeps two float32 moments per element (and a step count per parameter): flat holds them all
+    assert 2 * 4 * result["parameters"] <= state["flat"] == state["ddp"] <= 2 * 4 * result["parameters"] + 4 * 6
+    for name in ("stage1", "stage2"):
+        assert state[name] <= state["flat"] / 2 * 1.01, (name, state)
+    assert "stage1_vs_flat" in output and "target <= 1/2 + 1% = 0.5050" in output
+    width, height = png_size(tmp_path / "zero.png")
+    assert width > height, (width, height)

@@ -1,11 +1,14 @@
 """Fabric with ``MPIADFabricStrategy(shard=...)`` (ZeRO stages 1 and 2): training equals one process with the whole
 batch (AdamW and momentum, norm clipping, ``no_backward_sync`` accumulation); ``fabric.save`` writes one shard file
 per rank and a manifest, ``fabric.load`` restores the state exactly (training then continues bit for bit), also into
-an unsharded run and through ``fabric.load_raw``; ``consolidate`` gives the whole optimizer state."""
+an unsharded run and through ``fabric.load_raw``; ``consolidate`` and ``mpistrategy-consolidate`` give the whole
+optimizer state."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ from tests.fabric.helpers import (
     regression_data,
     shared_tmpdir,
 )
+from tests.mpi_harness import clean_environ
 
 PER_RANK = 4
 STEPS = 3
@@ -48,6 +52,11 @@ def _train(fabric, model, optimizer, data, accumulate: int = 1) -> None:
             fabric.clip_gradients(model, optimizer, max_norm=CLIP)
             optimizer.step()
             optimizer.zero_grad()
+
+
+def _consolidate_command(path: str, out: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mpistrategy.strategy.sharding.cli", path, out]
+    return subprocess.run(command, env=clean_environ(), capture_output=True, text=True, timeout=120, check=False)
 
 
 def _state_on_rank_zero(path: str) -> dict:
@@ -127,9 +136,19 @@ def test_a_sharded_checkpoint_loads_into_an_unsharded_run_and_raw() -> None:
     assert torch.equal(flat_parameters(plain_model), flat_parameters(model))
     torch.testing.assert_close(plain_optimizer.state_dict()["state"], whole["state"], rtol=0, atol=0)
 
-    raw = os.path.join(shared_tmpdir(), "optimizer.pt")
+    directory = shared_tmpdir()  # collective
+    raw, consolidated = os.path.join(directory, "optimizer.pt"), os.path.join(directory, "plain.ckpt")
     if RANK == 0:
-        torch.save(whole, raw)
+        done = _consolidate_command(path, consolidated)
+        assert done.returncode == 0 and "wrote" in done.stdout, done.stderr
+        plain_file = torch.load(consolidated, weights_only=False)
+        torch.testing.assert_close(plain_file["optimizer"]["state"], whole["state"], rtol=0, atol=0)
+        torch.save(plain_file["optimizer"], raw)
+        with open(path, "r+b") as handle:  # damaged: the command names the problem and fails
+            handle.seek(200)
+            handle.write(b"\0\1\2\3")
+        done = _consolidate_command(path, consolidated)
+        assert done.returncode == 1 and "corrupt" in done.stderr.lower() and "Traceback" not in done.stderr
     COMM.Barrier()
     _, sharded_optimizer = _set_up(fabric, seed=3)
     fabric.load_raw(raw, sharded_optimizer)  # a plain state dict into a sharded optimizer: each rank its pieces

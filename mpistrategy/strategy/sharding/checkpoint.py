@@ -24,7 +24,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.strategy import failures
-from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError, write_atomically
+from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError, verify, write_atomically
 from mpistrategy.strategy.sharding import files
 from mpistrategy.strategy.sharding.group import ShardGroup
 from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
@@ -228,9 +228,10 @@ def consolidated_state(sharded: ShardedOptimizer, comm: MPI.Intracomm) -> dict[s
 
 def consolidate(path: str, out: str | None = None) -> dict[str, Any]:
     """The checkpoint at ``path`` with every sharded optimizer's manifest replaced by its consolidated, plain
-    ``state_dict()`` (one process, no MPI): loadable by any strategy, or for inference. Written to ``out``
-    (atomically, sealed) when given. Trainer checkpoints keep their ``optimizer_states`` list; in Fabric
-    checkpoints every top-level entry that is a manifest is consolidated."""
+    ``state_dict()`` (one process, no MPI; a damaged file raises :class:`CorruptCheckpointError`): loadable by any
+    strategy, or for inference. Written to ``out`` (atomically, sealed) when given. Trainer checkpoints keep their
+    ``optimizer_states`` list; in Fabric checkpoints every top-level entry that is a manifest is consolidated."""
+    verify(path)
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     reader = ShardReader(path)
     entries = checkpoint.get("optimizer_states")
