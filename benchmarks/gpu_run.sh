@@ -4,7 +4,7 @@
 #   benchmarks/gpu_run.sh prepare                        # first, where PyPI is at hand (see below)
 #   benchmarks/gpu_run.sh [STAGE...] [-- GPU.PY ARGUMENTS]
 #
-# Stages, in this order (default: install bench tests):
+# Stages, in this order (default: install bench zero tests):
 #   prepare  download into .whl/ the wheels a GPU machine without PyPI needs beside its torch and Lightning:
 #            mpich, mpi4py, hydra-core, omegaconf 2.3, antlr4 (built here: PyPI has its source only), for CPython
 #            $GPU_RUN_PYTHON_VERSION (3.12) on x86_64 Linux. Carry .whl/ (ignored by git) with the checkout.
@@ -14,6 +14,8 @@
 #            installed). Without .whl/: the current Python as it is (pip install -e ".[mpich,test]" beforehand).
 #   bench    python benchmarks/gpu.py [GPU.PY ARGUMENTS]: 2 ranks, then 1 rank, every contender;
 #            writes gpu.json and gpu.png to $GPU_RUN_RESULTS (benchmarks/results).
+#   zero     python benchmarks/zero.py --accelerator gpu: sharded optimizer state (ZeRO stages 1 and 2) against
+#            flat mpi_ad and ZeroRedundancyOptimizer with DDP, 2 and 4 ranks; writes zero.json and zero.png.
 #   tests    pytest tests/gpu -ra.
 # The stages after a failed one still run; the exit status is the first failure's. Where $OUT is set, each stage's
 # log, the results and a description of the machine (environment.txt) are copied there as soon as they exist.
@@ -27,12 +29,12 @@ stages=()
 while [ $# -gt 0 ]; do
     case $1 in
         --) shift; break ;;
-        prepare | install | bench | tests) stages+=("$1"); shift ;;
-        *) echo "gpu_run.sh: unknown stage '$1' (prepare, install, bench, tests; gpu.py's arguments after --)" >&2
+        prepare | install | bench | zero | tests) stages+=("$1"); shift ;;
+        *) echo "gpu_run.sh: unknown stage '$1' (prepare, install, bench, zero, tests; gpu.py's arguments after --)" >&2
            exit 2 ;;
     esac
 done
-[ ${#stages[@]} -gt 0 ] || stages=(install bench tests)
+[ ${#stages[@]} -gt 0 ] || stages=(install bench zero tests)
 mkdir -p "$LOGS"
 
 prepare() {
@@ -80,6 +82,11 @@ print('lightning', lightning.__version__, 'mpi4py', mpi4py.__version__, MPI.Get_
 bench() {
     python benchmarks/gpu.py --results "$RESULTS" "$@" || return 1
     if [ -n "${OUT:-}" ]; then cp "$RESULTS/gpu.json" "$RESULTS/gpu.png" "$OUT/"; fi
+}
+
+zero() {
+    python benchmarks/zero.py --accelerator gpu --results "$RESULTS" || return 1
+    if [ -n "${OUT:-}" ]; then cp "$RESULTS/zero.json" "$RESULTS/zero.png" "$OUT/"; fi
 }
 
 tests() {

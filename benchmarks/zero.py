@@ -2,6 +2,7 @@
 
     python benchmarks/zero.py                             # 2 and 4 ranks, both models
     python benchmarks/zero.py --ranks 2 --models mlp --quick
+    python benchmarks/zero.py --accelerator gpu           # on a GPU machine (benchmarks/gpu_run.sh zero)
 
 Every contender trains the same model (float32) on the same synthetic data (batch 64 per rank) with AdamW, the same
 number of steps and the same torch threads per rank (``cpu_count // ranks``), in one MPI job per rank count:
@@ -12,6 +13,9 @@ number of steps and the same torch threads per rank (``cpu_count // ranks``), in
 - ``stage2``: ``MPIADStrategy(shard="gradients")``: also the gradients are reduce-scattered into shards;
 - ``ddp``: Lightning's DDP over gloo with AdamW;
 - ``ddp_zero``: Lightning's DDP over gloo with ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)``.
+
+With ``--accelerator gpu`` the models train on the GPU (ranks share one where there are fewer GPUs than ranks) and
+DDP runs over NCCL when every rank has a GPU of its own, over gloo otherwise.
 
 Models: ``mlp`` (784-1024-1024-10, 1.86M parameters) and ``mlp20m`` (784-4096-4096-10, 20.0M parameters). The
 contenders run in interleaved rounds in a new seeded order each round; each round's first ``--warmup`` steps are
@@ -34,7 +38,15 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import QUIET_TRAINER, RESULTS, lightning_environment, paired_range, run_under_mpi, save  # noqa: E402
+from _launch import (  # noqa: E402
+    QUIET_TRAINER,
+    RESULTS,
+    lightning_environment,
+    paired_range,
+    run_under_mpi,
+    save,
+    shared_port,
+)
 
 BATCH = 64
 MODELS = {"mlp": (784, 1024, 1024, 10), "mlp20m": (784, 4096, 4096, 10)}
@@ -57,6 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="steps per round and contender")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the models train")
     parser.add_argument("--quick", action="store_true", help="1 round of 6 steps (1 warm-up)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
     args = parser.parse_args()
@@ -122,7 +135,7 @@ def _measure(args: argparse.Namespace) -> dict | None:
             medians = {}
             for name in order:
                 comm.Barrier()
-                steps, held = _train(name, MODELS[model], args.steps)
+                steps, held = _train(name, MODELS[model], args.steps, args.accelerator)
                 medians[name] = statistics.median(steps[args.warmup :]) * 1e3
                 state_bytes[name] = max(comm.allgather(held))
             rounds.append(medians)
@@ -137,14 +150,28 @@ def _measure(args: argparse.Namespace) -> dict | None:
         }
     if comm.rank != 0:
         return None
-    return {"ranks": comm.size, "threads_per_rank": threads, "batch_per_rank": BATCH, "models": models}
+    job = {"ranks": comm.size, "threads_per_rank": threads, "batch_per_rank": BATCH, "models": models}
+    return {**job, "accelerator": args.accelerator, "device": _device_name(args.accelerator)}
+
+
+def _device_name(accelerator: str) -> str:
+    import platform
+
+    import torch
+
+    if accelerator == "gpu":
+        return torch.cuda.get_device_name(0)
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
 def _summarise(jobs: list[dict]) -> None:
     for job in jobs:
         ranks = job["ranks"]
-        print(f"\nZeRO benchmark: {ranks} ranks, {job['threads_per_rank']} torch thread(s) per rank, AdamW, ", end="")
-        print(f"batch {job['batch_per_rank']} per rank")
+        print(
+            f"\nZeRO benchmark on {job['device']}: {ranks} ranks, {job['threads_per_rank']} torch thread(s) per rank, ",
+            end="",
+        )
+        print(f"AdamW, batch {job['batch_per_rank']} per rank")
         for model, result in job["models"].items():
             print(f"\n{model} ({result['parameters'] / 1e6:.2f}M parameters)")
             print(f"{'contender':<10} {'median ms/step':>15} {'optimizer state per rank':>26}")
@@ -188,9 +215,9 @@ def _plot(jobs: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _train(name: str, widths: tuple[int, ...], steps: int) -> tuple[list[float], int]:
-    """Train contender ``name`` for ``steps`` steps; returns the step times (s) and this rank's optimizer-state
-    bytes after training."""
+def _train(name: str, widths: tuple[int, ...], steps: int, accelerator: str) -> tuple[list[float], int]:
+    """Train contender ``name`` for ``steps`` steps on ``accelerator``; returns the step times (s) and this rank's
+    optimizer-state bytes after training."""
     import lightning.pytorch as L
     import torch
     from lightning.fabric.plugins.environments import LightningEnvironment
@@ -228,24 +255,39 @@ def _train(name: str, widths: tuple[int, ...], steps: int) -> tuple[list[float],
             self.state_bytes = 0
 
         def on_train_batch_start(self, *args) -> None:
-            self.starts.append(time.perf_counter())
+            self.starts.append(_now())
 
         def on_train_end(self, trainer, *args) -> None:
-            self.starts.append(time.perf_counter())
+            self.starts.append(_now())
             optimizer = trainer.optimizers[0]
             state = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
             tensors = [t for entry in state.values() for t in entry.values() if torch.is_tensor(t)]
             self.state_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
+    def _now() -> float:
+        if accelerator == "gpu":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     timer = StepTimer()
-    options = dict(accelerator="cpu", max_steps=steps, callbacks=[timer], **QUIET_TRAINER)
-    if name in ("ddp", "ddp_zero"):
+    options = dict(accelerator=accelerator, max_steps=steps, callbacks=[timer], **QUIET_TRAINER)
+    if name in ("ddp", "ddp_zero") and accelerator == "gpu":
+        from _gpu_contenders import RankAsNode  # every rank a node of one process: ranks may share the GPU
+
+        own_gpus = torch.cuda.device_count() >= comm.size and torch.distributed.is_nccl_available()
+        strategy = DDPStrategy(process_group_backend="nccl" if own_gpus else "gloo")
+        environment = [RankAsNode(shared_port(comm))]
+        device = [comm.rank % torch.cuda.device_count()]
+        trainer = L.Trainer(strategy=strategy, devices=device, num_nodes=comm.size, plugins=environment, **options)
+    elif name in ("ddp", "ddp_zero"):
         lightning_environment(comm)
         strategy = DDPStrategy(process_group_backend="gloo")
         environment = [LightningEnvironment()]
         trainer = L.Trainer(strategy=strategy, devices=comm.size, num_nodes=1, plugins=environment, **options)
     else:
         shard = {"flat": None, "stage1": "optimizer", "stage2": "gradients"}[name]
+        if accelerator == "gpu":
+            torch.cuda.set_device(comm.rank % torch.cuda.device_count())
         trainer = L.Trainer(strategy=MPIADStrategy(shard=shard), **options)
     g = torch.Generator().manual_seed(1)
     samples = BATCH * comm.size * steps

@@ -78,6 +78,22 @@ def fit(
     return trainer
 
 
+def one_process(device: torch.device, dtype: torch.dtype, autocast: torch.dtype | None = None) -> torch.Tensor:
+    """The parameters after training ``mlp(seed=4)`` in one process with the whole batch (AdamW), on the CPU."""
+    net = Autocast(mlp(seed=4).to(dtype).to(device), autocast)
+    data = epoch_order(regression_data(SIZE * PER_RANK_BATCH * STEPS))
+    whole = type(data)(*(t.to(device, dtype) for t in data.tensors))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
+    return flat_parameters(reference_training(net, whole, SIZE * PER_RANK_BATCH, STEPS, optimizer)).cpu()
+
+
+def distance_moved(trained: torch.Tensor, dtype: torch.dtype) -> float:
+    """How far training moved the parameters from ``mlp(seed=4)``'s."""
+    moved = float(torch.linalg.vector_norm(trained - flat_parameters(mlp(seed=4).to(dtype))))
+    assert moved > 1e-3, "the reference did not train"
+    return moved
+
+
 @pytest.mark.mpi(ranks=(1, 2, 3), timeout=300)
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
 def test_mpi_ad_on_the_device_equals_one_process_with_the_whole_batch(precision: str, device: torch.device) -> None:
@@ -90,20 +106,27 @@ def test_mpi_ad_on_the_device_equals_one_process_with_the_whole_batch(precision:
     got = flat_parameters(model).cpu()
     assert_same_on_all_ranks(got, "parameters")
 
-    net = Autocast(
-        mlp(seed=4).to(dtype).to(device), {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    )
-    data = epoch_order(regression_data(SIZE * PER_RANK_BATCH * STEPS))
-    whole = type(data)(*(t.to(device, dtype) for t in data.tensors))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
-    want = flat_parameters(reference_training(net, whole, SIZE * PER_RANK_BATCH, STEPS, optimizer)).cpu()
-    start = flat_parameters(mlp(seed=4).to(dtype))
-    moved = float(torch.linalg.vector_norm(want - start))
-    assert moved > 1e-3, "the reference did not train"
+    want = one_process(device, dtype, {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision))
+    moved = distance_moved(want, dtype)
     if precision == "32-true":
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     else:
         assert float(torch.linalg.vector_norm(got - want)) <= 0.05 * moved
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=300)
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_optimizer_state_on_the_device_equals_one_process(shard: str, device: torch.device) -> None:
+    """ZeRO stages 1 and 2 with the model on the device: float64 parameters to 1e-10, state on the device."""
+    model = AdamWRegressor(mlp(seed=4).double())
+    trainer = fit(device, MPIADStrategy(shard=shard), model)
+    got = flat_parameters(model).cpu()
+    assert_same_on_all_ranks(got, "parameters")
+    want = one_process(device, torch.float64)
+    distance_moved(want, torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    state = [t for entry in trainer.optimizers[0].state.values() for t in entry.values() if t.ndim]
+    assert state and all(t.device.type == device.type for t in state)
 
 
 SYNC_MODES = {
