@@ -5,9 +5,11 @@ Mark a test with ``@pytest.mark.mpi`` (rank counts 1-4) or
 in it as usual; the ``mpi_nranks`` fixture holds the rank count.
 
 Outer (plain) run: each mpi test is parametrized per rank count (``test_x[np2]``).
-The first item of a (module, rank count) pair launches one
+The first item of a (directory, rank count) pair launches one
 ``mpiexec -n N python -m pytest <node ids>`` job for all selected items of that
-pair; the other items report the cached results.
+pair, whatever module of the directory they are in (each rank's start-up, most of it
+importing torch and Lightning, is paid once per directory, not once per module); the
+other items report the cached results.
 
 Inner run (``MPISTRATEGY_TEST_NRANKS`` set, on every rank): only the mpi tests at
 that rank count are kept. Each rank appends its outcomes to ``rank<r>.jsonl`` in
@@ -496,17 +498,22 @@ class _Launcher:
         return True
 
     def _run_batch(self, first: pytest.Item, nranks: int) -> None:
-        """Run all pending items of ``first``'s module at ``nranks``, rerunning interrupted ones."""
+        """Run all pending items of the modules in ``first``'s directory at ``nranks``, rerunning interrupted
+        ones."""
         pending = [
             item
             for item in first.session.items
-            if item.path == first.path and _nranks(item) == nranks and item.nodeid not in self._results
+            if item.path.parent == first.path.parent
+            and _nranks(item) == nranks
+            and item.nodeid not in self._results
+            and item.get_closest_marker("skip") is None
         ]
         while pending:
             job = _Job(self._config, nranks, pending)
             decided = job.run()
             if job.stalled and decided:
-                warnings.warn(f"{first.path.name} at {nranks} ranks: {job.end}", pytest.PytestWarning, stacklevel=1)
+                where = first.path.parent.name
+                warnings.warn(f"{where}/ at {nranks} ranks: {job.end}", pytest.PytestWarning, stacklevel=1)
             decided = decided or {item.nodeid: _merge([{}] * nranks, job.end) for item in pending}
             self._results.update(decided)
             pending = [item for item in pending if item.nodeid not in decided]

@@ -153,3 +153,28 @@ def test_a_sharded_checkpoint_loads_into_an_unsharded_run_and_raw() -> None:
     _, sharded_optimizer = _set_up(fabric, seed=3)
     fabric.load_raw(raw, sharded_optimizer)  # a plain state dict into a sharded optimizer: each rank its pieces
     torch.testing.assert_close(sharded_optimizer.state_dict(), optimizer.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_a_large_bucket_inside_one_shard_is_reduce_scattered() -> None:
+    """Stage 2 with 1 MB buckets: the 4.2 MB bucket of the second layer lies inside the last shard(s), so some ranks
+    have no block of it (a reduce-scatter with zero counts, which MPICH's in-place variant cannot do)."""
+
+    def wide() -> nn.Module:
+        torch.manual_seed(7)
+        layers = [nn.Linear(6, 512), nn.Tanh(), nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh()]
+        return nn.Sequential(*layers, nn.Linear(1024, 2)).double()
+
+    data = regression_data(SIZE * PER_RANK * 2)
+    fabric = launched(MPIADFabricStrategy(shard="gradients", bucket_cap_mb=1.0))
+    net = wide()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.01))
+    buckets = fabric.strategy.engines[0].sharding.gradients.buckets
+    assert any(b.numel >= 262_144 and 0 in b.counts for b in buckets), [b.counts for b in buckets]
+    _train(fabric, model, optimizer, data)
+
+    reference = wide()
+    reference_training(
+        reference, data, SIZE * PER_RANK, 2, torch.optim.AdamW(reference.parameters(), lr=0.01), clip=CLIP
+    )
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=1e-10, atol=1e-10)

@@ -77,6 +77,7 @@ class _Bucket:
     staging: torch.Tensor | None = None
     views: list[torch.Tensor] = field(default_factory=list)
     wire: torch.Tensor | None = None
+    block: torch.Tensor | None = None  # this rank's summed block (its own buffer: see GradientShards._post)
     request: MPI.Request | None = None
 
     @property
@@ -244,13 +245,31 @@ class GradientShards:
             if expected:
                 param.grad = None
         bucket.wire = on_wire(bucket.staging, reduction_dtype(bucket.staging.dtype, "sum", "shard='gradients'"))
+        mine = bucket.counts[self.group.rank]
         if self.group.size > 1:
+            # Not in place: MPICH's in-place reduce-scatter copies each rank's block to the buffer's start with
+            # memcpy, which fails its overlap assertion for a large block that starts before its own length
+            # (uneven blocks, a bucket inside one shard).
+            bucket.block = self._receiving_block(bucket, mine)
             memory, _, datatype = mpi_buffer(bucket.wire)
             operation = mpi_op(bucket.wire.dtype, "sum")
-            bucket.request = self.group.comm.Ireduce_scatter(MPI.IN_PLACE, [memory, datatype], bucket.counts, operation)
+            receive = mpi_buffer(bucket.block)
+            bucket.request = self.group.comm.Ireduce_scatter([memory, datatype], receive, bucket.counts, operation)
+        else:
+            bucket.block = bucket.wire[:mine]
         self.traffic.add(self.scope, bucket.staging.nbytes)
         self._in_flight.append(bucket)
         self._open_after(index)
+
+    def _receiving_block(self, bucket: _Bucket, count: int) -> torch.Tensor:
+        """Where ``bucket``'s block of ``count`` elements is received: straight into the shard when this pass writes
+        it (no memory beyond the shard), else (a pass adding to the shard) a buffer of its own."""
+        assert bucket.wire is not None
+        space = bucket.space
+        target = space.shard[bucket.target : bucket.target + count]
+        if space.writing and target.dtype == bucket.wire.dtype and self.group.cross is None:
+            return target
+        return torch.empty(count, dtype=bucket.wire.dtype, device=bucket.wire.device)
 
     def _complete_in_flight(self) -> None:
         while self._in_flight:
@@ -262,7 +281,8 @@ class GradientShards:
         assert bucket.wire is not None and bucket.staging is not None
         if bucket.request is not None:
             bucket.request.Wait()
-        block = bucket.wire[: bucket.counts[self.group.rank]]
+        block = bucket.block
+        assert block is not None
         if self.group.cross is not None:
             self.group.cross.Allreduce(MPI.IN_PLACE, mpi_buffer(block), mpi_op(block.dtype, "sum"))
             self.traffic.add(INTER_NODE, block.nbytes)
@@ -270,11 +290,13 @@ class GradientShards:
         space = bucket.space
         target = space.shard[bucket.target : bucket.target + block.numel()]
         scale = 1.0 / self.group.world_size
-        if space.writing:
+        if block.numel() and block.data_ptr() == target.data_ptr():  # received in the shard
+            target.mul_(scale)
+        elif space.writing:
             torch.mul(block, scale, out=target)
         else:
             target.add_(block, alpha=scale)
-        bucket.staging = bucket.wire = bucket.request = None
+        bucket.staging = bucket.wire = bucket.block = bucket.request = None
         bucket.views = []
 
     def wait(self) -> None:
@@ -348,7 +370,7 @@ class GradientShards:
         """The gradient memory it holds now: the shards and the buckets' buffers."""
         held = [space.held for space in self.spaces if space.held is not None]
         for bucket in self.buckets:
-            held += [t for t in (bucket.staging, bucket.wire) if t is not None]
+            held += [t for t in (bucket.staging, bucket.wire, bucket.block) if t is not None]
         return held
 
     def remove(self) -> None:

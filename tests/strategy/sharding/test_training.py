@@ -49,11 +49,12 @@ def test_optimizer_state_per_rank_is_a_shard_of_flat(shard: str) -> None:
 
 
 @pytest.mark.mpi(ranks=(2, 3, 4), timeout=240)
-def test_stage_two_holds_a_gradient_shard_and_at_most_one_bucket() -> None:
+def test_stage_two_holds_a_gradient_shard_and_at_most_one_bucket_and_its_block() -> None:
     flat, stage_one, stage_two = fit(None), fit("optimizer"), fit("gradients")
     gradients = sum(p.numel() * p.element_size() for p in DeepNet().parameters() if p.requires_grad)
     assert flat.peak_grad_bytes >= gradients and stage_one.peak_grad_bytes >= gradients
-    bound = gradients / SIZE + BUCKET_CAP_MB * 1024 * 1024
+    # the shard, one bucket, and while a pass adds to the shard (accumulation) the block received of one bucket
+    bound = gradients / SIZE + 2 * BUCKET_CAP_MB * 1024 * 1024
     assert stage_two.peak_grad_bytes <= bound, f"{stage_two.peak_grad_bytes} bytes > {bound}"
     assert stage_two.grad_bytes_after_backward <= gradients / SIZE + 64
 
