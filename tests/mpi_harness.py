@@ -8,8 +8,9 @@ Outer (plain) run: each mpi test is parametrized per rank count (``test_x[np2]``
 The first item of a (directory, rank count) pair launches one
 ``mpiexec -n N python -m pytest <node ids>`` job for all selected items of that
 pair, whatever module of the directory they are in (each rank's start-up, most of it
-importing torch and Lightning, is paid once per directory, not once per module); the
-other items report the cached results.
+importing torch and Lightning, is paid once per directory, not once per module); each
+module starts from the job's environment variables. The other items report the cached
+results.
 
 Inner run (``MPISTRATEGY_TEST_NRANKS`` set, on every rank): only the mpi tests at
 that rank count are kept. Each rank appends its outcomes to ``rank<r>.jsonl`` in
@@ -107,6 +108,20 @@ def mpi_nranks() -> int | None:
 
 
 @pytest.hookimpl(trylast=True)
+@pytest.fixture(scope="module", autouse=True)
+def _module_environment() -> Any:
+    """In an inner run, every module starts from the environment the job started with: a job runs the modules of
+    a whole folder, and a module's tests may leave variables behind (Lightning's ``seed_everything`` sets
+    ``PL_GLOBAL_SEED``, which seeds every later Trainer's sampler)."""
+    if _inner_nranks() is None:
+        yield
+        return
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize mpi tests over their rank counts, after any other parametrization."""
     marker = metafunc.definition.get_closest_marker("mpi")
