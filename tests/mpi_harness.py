@@ -107,21 +107,26 @@ def mpi_nranks() -> int | None:
     return None
 
 
-@pytest.hookimpl(trylast=True)
-@pytest.fixture(scope="module", autouse=True)
-def _module_environment() -> Any:
+_JOB_ENVIRON = dict(os.environ)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
     """In an inner run, every module starts from the environment the job started with: a job runs the modules of
     a whole folder, and a module's tests may leave variables behind (Lightning's ``seed_everything`` sets
     ``PL_GLOBAL_SEED``, which seeds every later Trainer's sampler)."""
-    if _inner_nranks() is None:
-        yield
+    global _last_module
+    if _inner_nranks() is None or item.path == _last_module:
         return
-    saved = dict(os.environ)
-    yield
+    _last_module = item.path
     os.environ.clear()
-    os.environ.update(saved)
+    os.environ.update(_JOB_ENVIRON)
 
 
+_last_module: Path | None = None
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize mpi tests over their rank counts, after any other parametrization."""
     marker = metafunc.definition.get_closest_marker("mpi")
