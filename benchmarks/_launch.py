@@ -25,6 +25,22 @@ QUIET_TRAINER = dict(
 )
 
 
+def share_cores(comm) -> int:
+    """Give this rank its share of the cores as torch threads (``cpu_count // ranks``, at least 1, also in
+    ``OMP_NUM_THREADS``) and quiet Lightning's and Python's warnings; returns the threads per rank."""
+    import logging
+    import warnings
+
+    import torch
+
+    threads = max(1, len(os.sched_getaffinity(0)) // comm.size)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    return threads
+
+
 def ensure_mpi(ranks: int) -> None:
     """Re-run this script under ``mpiexec -n ranks`` unless it already runs inside an MPI job of that size."""
     from mpi4py import MPI

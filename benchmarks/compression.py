@@ -22,16 +22,14 @@ machine's load moves absolute times; the ratios and the bytes are what to compar
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, ensure_mpi, paired_ratios, save  # noqa: E402
+from _launch import RESULTS, ensure_mpi, paired_ratios, save, share_cores  # noqa: E402
 
 BATCH = 64
 
@@ -60,17 +58,10 @@ def main() -> None:
         args.epochs, args.steps, args.warmup, args.rounds = 2, 10, 3, 3
     ensure_mpi(2)
 
-    import logging
-
-    import torch
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    threads = max(1, len(os.sched_getaffinity(0)) // comm.size)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    threads = share_cores(comm)
 
     schemes = _schemes()
     curves = {name: _digits_curve(make, args.epochs) for name, make in schemes.items()}

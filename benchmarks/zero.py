@@ -34,7 +34,6 @@ import random
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -45,6 +44,7 @@ from _launch import (  # noqa: E402
     paired_range,
     run_under_mpi,
     save,
+    share_cores,
     shared_port,
 )
 
@@ -112,17 +112,10 @@ def _report(jobs: list[dict], args: argparse.Namespace) -> None:
 
 def _measure(args: argparse.Namespace) -> dict | None:
     """This MPI job's part: every model, every contender, interleaved rounds; the results on rank 0."""
-    import logging
-
-    import torch
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    threads = max(1, len(os.sched_getaffinity(0)) // comm.size)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    threads = share_cores(comm)
 
     models = {}
     for model in args.models:
