@@ -14,9 +14,9 @@
 #            installed). Without .whl/: the current Python as it is (pip install -e ".[mpich,test]" beforehand).
 #   bench    python benchmarks/gpu.py [GPU.PY ARGUMENTS]: 2 ranks, then 1 rank, every contender;
 #            writes gpu.json and gpu.png to $GPU_RUN_RESULTS (benchmarks/results).
-#   zero     python benchmarks/zero.py --accelerator gpu: sharded optimizer state (ZeRO stages 1 and 2) against
-#            flat mpi_ad and ZeroRedundancyOptimizer with DDP, 2 and 4 ranks; writes zero.json and zero.png.
-#   tests    pytest tests/gpu -ra.
+#   zero     python benchmarks/zero.py --accelerator gpu $GPU_RUN_ZERO: sharded optimizer state (ZeRO stages 1 and
+#            2) against flat mpi_ad and ZeroRedundancyOptimizer with DDP, 2 and 4 ranks; writes zero.json and zero.png.
+#   tests    pytest -ra ${GPU_RUN_TESTS:-tests/gpu} (test files, -k expressions, pytest options).
 # The stages after a failed one still run; the exit status is the first failure's. Where $OUT is set, each stage's
 # log, the results and a description of the machine (environment.txt) are copied there as soon as they exist.
 set -uo pipefail
@@ -85,12 +85,14 @@ bench() {
 }
 
 zero() {
-    python benchmarks/zero.py --accelerator gpu --results "$RESULTS" || return 1
+    # shellcheck disable=SC2086  # the options are words
+    python benchmarks/zero.py --accelerator gpu --results "$RESULTS" ${GPU_RUN_ZERO:-} || return 1
     if [ -n "${OUT:-}" ]; then cp "$RESULTS/zero.json" "$RESULTS/zero.png" "$OUT/"; fi
 }
 
 tests() {
-    python -m pytest tests/gpu -ra
+    # shellcheck disable=SC2086
+    python -m pytest -ra ${GPU_RUN_TESTS:-tests/gpu}
 }
 
 failed=0

@@ -28,6 +28,7 @@ the ranks). Writes benchmarks/results/zero.json and zero.png.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -104,7 +105,9 @@ def _launch_jobs(args: argparse.Namespace) -> None:
 
 def _report(jobs: list[dict], args: argparse.Namespace) -> None:
     """Print the summary, write zero.json and zero.png."""
-    path = save("zero", {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "jobs": jobs}, args.results)
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    record = {"date": date, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "jobs": jobs}
+    path = save("zero", record, args.results)
     _summarise(jobs)
     _plot(jobs, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")

@@ -125,6 +125,10 @@ class Aggregator(ABC):
     """
 
     context: AggregationContext | None = None
+    #: the scheme only moves the bucket through MPI (or the shared-memory allreduce) and does no arithmetic on its
+    #: device but scaling: the reducer may hand it a CUDA bucket's host mirror instead (see
+    #: :mod:`mpistrategy.strategy.reducer.staging`)
+    combines_on_host: bool = False
 
     def setup(self, context: AggregationContext) -> None:
         """Called once by the reducer after the buckets are built, on every rank (collectives are allowed)."""

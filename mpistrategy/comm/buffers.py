@@ -254,13 +254,18 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     """A contiguous tensor MPI can address holding ``tensor``'s values, converted to ``dtype`` if given.
 
     Contiguous host tensors already in the right dtype are returned as they are (zero copy); device tensors
-    are staged through host memory when MPI is not CUDA-aware.
+    are staged through host memory when MPI is not CUDA-aware. A CUDA tensor MPI reads itself is returned once the
+    current stream's work is done (MPI does not order its reads behind the device's streams).
     """
     tensor = tensor.detach()
     if (dtype is None or dtype == tensor.dtype) and host_ready(tensor):
         return tensor
-    target_device = _CPU if needs_staging(tensor) else tensor.device
-    return tensor.to(device=target_device, dtype=dtype or tensor.dtype).contiguous()
+    if needs_staging(tensor):
+        return tensor.to(device=_CPU, dtype=dtype or tensor.dtype).contiguous()
+    wire = tensor.to(dtype=dtype or tensor.dtype).contiguous()
+    if wire.is_cuda:
+        torch.cuda.current_stream(wire.device).synchronize()
+    return wire
 
 
 def empty_on_wire(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

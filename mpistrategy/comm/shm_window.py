@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
+import os
 import threading
 
 import torch
@@ -29,6 +31,10 @@ PAGE = 4096
 _REMEMBERED_VIEWS = 512
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+#: where MPICH keeps shared windows (a tmpfs: its size bounds them)
+SHM_DIRECTORY = "/dev/shm"
+
+log = logging.getLogger(__name__)
 
 
 def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:
@@ -173,6 +179,31 @@ def allocate(nbytes: int, comm: MPI.Intracomm) -> Segment:
         bisect.insort(_by_address, (segment.address, segment), key=lambda item: item[0])
         _by_id[segment_id] = segment
     return segment
+
+
+def room_for(nbytes: int, comm: MPI.Intracomm, what: str) -> bool:
+    """Whether ``SHM_DIRECTORY`` has room for ``nbytes`` per rank of ``comm`` beside what is in it now, on every
+    rank (collective over ``comm``). Touching a page of a shared window beyond a full tmpfs kills the process
+    (SIGBUS), as in a container that keeps the 64 MB default: where there is no room, ``what`` is said and the
+    caller uses private memory."""
+    try:
+        stats = os.statvfs(SHM_DIRECTORY)
+        free = stats.f_bavail * stats.f_frsize
+    except OSError:
+        free = None
+    need = nbytes * comm.Get_size()
+    fits = comm.allreduce(free is None or need <= free, op=MPI.LAND)
+    if not fits and comm.Get_rank() == 0:
+        log.warning(
+            "%s: %.0f MB of shared memory do not fit in %s (%.0f MB free); using private memory instead (slower "
+            "within a node). Give the job a larger %s (docker: --shm-size).",
+            what,
+            need / 2**20,
+            SHM_DIRECTORY,
+            (free or 0) / 2**20,
+            SHM_DIRECTORY,
+        )
+    return fits
 
 
 def find(segment_id: int) -> Segment | None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket, Work
-from mpistrategy.sync.transport import NodeTransport
+from mpistrategy.sync.transport import MPINodeTransport, NodeTransport
 
 
 class NodeMeanAggregator(Aggregator):
@@ -31,6 +31,7 @@ class NodeMeanAggregator(Aggregator):
 
     def __init__(self, transport: NodeTransport) -> None:
         self.transport = transport
+        self.combines_on_host = isinstance(transport, MPINodeTransport)
 
     def start(self, bucket: GradBucket) -> Work:
         assert self.context is not None, "NodeMeanAggregator.setup() was not called"
@@ -73,6 +74,7 @@ class HierarchicalAggregator(Aggregator):
         self.inner = inner
         self.is_leader = is_leader
         self.scale = scale
+        self.combines_on_host = isinstance(transport, MPINodeTransport) and inner.combines_on_host
         self._flights: list[_Flight] = []
 
     def start(self, bucket: GradBucket) -> Work:

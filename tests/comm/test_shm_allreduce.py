@@ -292,6 +292,18 @@ def test_gradient_buckets_are_shared_memory_and_teardown_frees_it() -> None:
     assert math.isfinite(float(ms.allreduce(torch.ones(3)).sum()))  # the released groups are rebuilt on demand
 
 
+def test_room_in_dev_shm_is_checked_on_every_rank_before_large_buckets_go_there(caplog) -> None:
+    """A segment that /dev/shm cannot hold would kill the ranks when its pages are touched (SIGBUS): every rank
+    gets the same answer, and rank 0 says what to do."""
+    machine = shm_window.machine_comm()
+    assert shm_window.room_for(4096, machine, "test buckets")
+    with caplog.at_level("WARNING", logger=shm_window.__name__):
+        assert not shm_window.room_for(2**50, machine, "test buckets")
+    said = [r.getMessage() for r in caplog.records if "test buckets" in r.getMessage()]
+    assert len(said) == (1 if machine.Get_rank() == 0 else 0)
+    assert all("--shm-size" in message and "/dev/shm" in message for message in said)
+
+
 def test_non_blocking_prod_backward_sums_the_cotangents_through_shared_memory() -> None:
     """iallreduce prod's backward allreduces the cotangents with sum, which goes through shared memory: rank r's
     gradient is (sum_s g_s) * prod_{s != r} x_s (a regression: its backward once expected MPI requests)."""

@@ -204,6 +204,60 @@ def test_unused_partly_used_and_frozen_parameters_train_as_one_process(
     _assert_trained_as_one_process(model.net, fit.optimizers[0], *want)
 
 
+class WideWithRankZeroBranch(nn.Module):
+    """A trunk and head of width 384 (buckets of 1.2 MB and more, summed by the shared-memory allreduce) and a
+    branch that rank ``0`` alone uses, registered last: its bucket is started first."""
+
+    def __init__(self, width: int = 384) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Sequential(nn.Linear(FEATURES, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, OUTPUTS)
+        self.branch = nn.Linear(width, OUTPUTS)
+        self.double()
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        hidden = self.trunk(x)
+        return self.head(hidden) + self.branch(hidden) if rank == 0 else self.head(hidden)
+
+
+class RankZeroBranch(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = WideWithRankZeroBranch()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x, RANK), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _make_optimizer("adamw", self.net.parameters())
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=180)
+def test_a_branch_rank_zero_alone_takes_trains_as_one_process_with_buckets_in_shared_memory() -> None:
+    """Rank 0 can start every bucket during backward while the others wait for it to say which parameters it
+    used: none of its starts may wait for the others (the shared-memory group and its staging are built with the
+    buckets). One process averages each rank's loss on that rank's batch, the branch in rank 0's only."""
+    data = regression_data(SIZE * PER_RANK_BATCH * STEPS, FEATURES, OUTPUTS)
+    model = RankZeroBranch()
+    fit = trainer(strategy=MPIADStrategy(bucket_cap_mb=1.0, first_bucket_cap_mb=0.01), max_steps=STEPS)
+    fit.fit(model, loader(data, PER_RANK_BATCH))
+    assert fit.global_step == STEPS
+
+    net = WideWithRankZeroBranch()
+    optimizer = _make_optimizer("adamw", net.parameters())
+    per_rank = [_batches_of(data, PER_RANK_BATCH, rank=rank) for rank in range(SIZE)]
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = sum(nn.functional.mse_loss(net(*per_rank[r][step][:1], r), per_rank[r][step][1]) for r in range(SIZE))
+        (loss / SIZE).backward()
+        optimizer.step()
+    for (name, got), want in zip(model.net.named_parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"parameter {name}")
+    assert not torch.equal(net.branch.weight, WideWithRankZeroBranch().branch.weight), "the branch did not train"
+
+
 @pytest.mark.mpi(ranks=(1, 2, 3), timeout=120)
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_several_backward_passes_per_step_train_as_one_process(set_to_none: bool) -> None:

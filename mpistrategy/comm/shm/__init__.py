@@ -36,7 +36,7 @@ up to three chunks of scratch. :func:`release` frees a communicator's groups.
 
 from mpistrategy.comm.shm.group import SharedMemoryGroup, SharedWork
 from mpistrategy.comm.shm.plan import CHUNK_BYTES, EVERYONE_SUMS_BYTES, Plan, Results, Source, Summing, plan_allreduce
-from mpistrategy.comm.shm.registry import buffer_ranks, built_group, check_exchange, group_for, release
+from mpistrategy.comm.shm.registry import buffer_ranks, build_group, built_group, check_exchange, group_for, release
 from mpistrategy.comm.shm.settings import (
     DEFAULT_MIN_BYTES,
     MIN_BYTES_VARIABLE,
@@ -65,6 +65,7 @@ __all__ = [
     "Source",
     "Summing",
     "buffer_ranks",
+    "build_group",
     "built_group",
     "check_exchange",
     "group_for",

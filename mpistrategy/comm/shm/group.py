@@ -170,6 +170,12 @@ class SharedMemoryGroup:
 
     # ------------------------------------------------------------------------------------------- operations
 
+    def hold_staging(self, nbytes: int) -> None:
+        """Size the staging segment now for operations of up to ``nbytes`` each, so that no later operation grows
+        it (growing is collective; collective over the group, with no operation in flight)."""
+        with self._protocol.lock:
+            self._staging.hold(nbytes)
+
     def start(self, tensor: torch.Tensor, op: str, out: torch.Tensor | None) -> SharedWork:
         """Start an allreduce of ``tensor`` (``op`` sum or avg) into ``out`` (or a new tensor), completed by the
         returned work's ``wait``. A check deferred for it (:meth:`defer_check`) is compared once the input is

@@ -25,6 +25,23 @@ def group_for(channel: MPI.Intracomm, tensor: torch.Tensor, op: str) -> SharedMe
     """
     if not uses_shared_memory(tensor, op, channel.Get_size()):
         return None
+    return _group(channel)
+
+
+def build_group(comm: Communicator, largest_bytes: int) -> None:
+    """Build the group of ``comm``'s allreduces now, with staging for messages of up to ``largest_bytes``, where
+    shared memory may carry them (collective over ``comm``), so that no non-blocking allreduce of that size builds
+    or grows them later: both are collectives, and ranks may start their non-blocking operations at different
+    moments (a rank that starts gradient buckets during backward while the others wait for it to say which
+    parameters it used)."""
+    if shared_memory_mode() == "off" or comm.size < 2:
+        return
+    group = _group(comm.forward)
+    if group is not None:
+        group.hold_staging(largest_bytes)
+
+
+def _group(channel: MPI.Intracomm) -> SharedMemoryGroup | None:
     key = channel.py2f()
     if key in _groups:
         return _groups[key]

@@ -69,6 +69,14 @@ class Staging:
         assert self.segment is not None, "the loop above allocates the segment"
         return (self.segment.id, start), busy_until
 
+    def hold(self, nbytes: int) -> None:
+        """Grow now, if needed, so that operations of up to ``nbytes`` each never grow the segment (collective, with
+        no operation in flight): a reservation grows it only when it would overlap the last operation's space,
+        which three times the largest operation's space rules out."""
+        need = 3 * (-(-nbytes // STAGING_ALIGN) * STAGING_ALIGN)
+        if (self.segment.nbytes if self.segment is not None else 0) < need:
+            self._grow(need)
+
     def undo_last(self) -> None:
         """Return the space of the last reservation (its operation was dropped on every rank)."""
         regions, self._head = self._before_last

@@ -51,13 +51,17 @@ from torch import nn
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.comm.buffers import cuda_aware
 from mpistrategy.comm.checks import validation
-from mpistrategy.comm.shm import buffer_ranks, release
+from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.shm import buffer_ranks, build_group, release
+from mpistrategy.comm.shm_window import room_for
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.reducer.launch import InOrderStarts
 from mpistrategy.strategy.reducer.layout import MB, BucketLayout, LayoutPolicy, ParameterSpec, plan_layout
 from mpistrategy.strategy.reducer.memory import BucketMemory, place_gradient
+from mpistrategy.strategy.reducer.staging import DeviceStaging
 from mpistrategy.strategy.reducer.usage import GradientFlags, UsageExchange
 from mpistrategy.strategy.reducer.zero_grad import ZeroGradHook
 from mpistrategy.sync.base import SyncContext, SyncMode
@@ -115,6 +119,8 @@ class GradientReducer:
         self._zero_grad = ZeroGradHook(self._flags)
         self._starts = InOrderStarts()
         self._memory: BucketMemory | None = None
+        self._staging: DeviceStaging | None = None
+        self._aggregator: Aggregator | None = None  # the current (or last) pass's
         self._bucket_slots: list[np.ndarray] = []  # per bucket: its parameters' slots, for numpy indexing
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._requires_grad: tuple[bool, ...] = ()  # by slot, when the last pass began
@@ -140,7 +146,7 @@ class GradientReducer:
     @property
     def aggregator(self) -> Aggregator | None:
         """The aggregator of the current (or last) pass; ``None`` for a pass without communication."""
-        return self._starts.aggregator
+        return self._aggregator
 
     @property
     def started_in_backward(self) -> int:
@@ -151,6 +157,12 @@ class GradientReducer:
     def started_at_wait(self) -> int:
         """Buckets the last synchronised pass started in :meth:`wait`."""
         return self._starts.started_at_wait
+
+    @property
+    def stages_through_host(self) -> bool:
+        """Whether CUDA buckets are combined through pinned host mirrors (MPI cannot read device memory; see
+        :mod:`~mpistrategy.strategy.reducer.staging`)."""
+        return self._staging is not None and self._staging.mirrored
 
     @property
     def traffic(self) -> TrafficCounter:
@@ -174,6 +186,7 @@ class GradientReducer:
             shared=machine is not None,
             copy_large=machine is not None and (self.sync.sums_in_node or (on_one_machine and mean)),
             merge_large=on_one_machine and mean,
+            stage_cuda=not cuda_aware(),
         )
 
     def _build(self) -> None:
@@ -185,13 +198,21 @@ class GradientReducer:
         machine = buffer_ranks()
         specs = [(name, ParameterSpec.of(p)) for name, p in zip(self._names, self._params, strict=True)]
         layout = plan_layout(specs, chosen, self._policy(machine))
+        if machine is not None and not room_for(layout.shared_bytes, machine, "gradient buckets"):
+            machine = None
+            layout = plan_layout(specs, chosen, self._policy(machine))
         retired, self._memory = self._memory, BucketMemory(layout, self._params, machine)
+        self._staging = DeviceStaging(self.buckets, self.memory.mirrors)
+        self._starts.begin(None, (), ())  # lets go of the last pass's buckets
         self._bucket_slots = [np.array(spec.slots, dtype=np.intp) for spec in self.layout.buckets]
         for spec, bucket in zip(self.layout.buckets, self.buckets, strict=True):
             for place in spec.places:
                 hook = self._hook(bucket, place.position, place.slot)
                 self._hooks.append(self._params[place.slot].register_post_accumulate_grad_hook(hook))
         self._check_layout()
+        largest = max((spec.nbytes for spec in self.layout.buckets), default=0)
+        for comm in self._gradient_comms():
+            build_group(comm, largest)
         self._requires_grad = ()
         self._zero_grad.use(self.memory)
         self.sync.setup_buckets(self.buckets)
@@ -248,10 +269,11 @@ class GradientReducer:
                 self._build()
             self._requires_grad = requires_grad
             self._active = [sum(requires_grad[slot] for slot in spec.slots) for spec in self.layout.buckets]
-        aggregator = self.sync.gradient_aggregator() if sync else None
+        aggregator = self._aggregator = self.sync.gradient_aggregator() if sync else None
         if aggregator is not None:
             self._usage.begin_pass(aggregator)
-        self._starts.begin(aggregator, self.buckets, self._active)
+        assert self._staging is not None, "built in __init__"
+        self._starts.begin(self._staging.around(aggregator), self.buckets, self._active)
 
     def _post_usage(self) -> None:
         self._usage.post(self._flags.local_view)
@@ -345,11 +367,17 @@ class GradientReducer:
         every rank calls it (the strategy's teardown)."""
         self._remove_hooks()
         self._zero_grad.detach()
-        self._starts.armed = False
+        self._starts.begin(None, (), ())
         self._usage.close()
         self.memory.retire()
-        release(self.topology.gradients)
-        release(self.topology.node_gradients)
+        for comm in self._gradient_comms():
+            release(comm)
+
+    def _gradient_comms(self) -> list[Communicator]:
+        """The communicators the aggregators combine gradients over."""
+        t = self.topology
+        comms = (t.gradients, t.node_gradients, t.leader_gradients, t.cross_gradients)
+        return [comm for comm in comms if comm is not None]
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.nbytes / MB:.2f} MB" for b in self.buckets)

@@ -13,7 +13,9 @@ unless the policy sends large host gradients through shared memory: then its hoo
 into its bucket (:attr:`ParameterPlace.copied`), and where the policy merges them it joins the regular buckets.
 Copied gradients come last in their bucket, so that the gradients that accumulate in place form one prefix
 (:attr:`BucketSpec.accumulated_numel`). Host buckets other than own-gradient ones get a byte offset in this rank's
-part of one shared segment (:attr:`BucketSpec.shared_offset`, 64-byte aligned) when the policy asks for one.
+part of one shared segment (:attr:`BucketSpec.shared_offset`, 64-byte aligned) when the policy asks for one. Where
+MPI cannot read CUDA memory and the policy stages it (:attr:`LayoutPolicy.stage_cuda`), every CUDA bucket is
+combined through a host mirror of its buffer (:attr:`BucketSpec.staged`), placed in the shared segment the same way.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class LayoutPolicy:
             memory, where the copy replaces the allreduce's own copy into its staging area).
         merge_large: large gradients join the regular buckets instead of getting their own (with ``copy_large``:
             fewer buckets, fewer waits for the other ranks).
+        stage_cuda: CUDA buckets are combined through host mirrors (MPI cannot read device memory).
     """
 
     bucket_cap_mb: float = 25.0
@@ -70,6 +73,7 @@ class LayoutPolicy:
     shared: bool = False
     copy_large: bool = False
     merge_large: bool = False
+    stage_cuda: bool = False
 
     @property
     def first_cap_mb(self) -> float:
@@ -78,6 +82,10 @@ class LayoutPolicy:
     def is_large(self, spec: ParameterSpec) -> bool:
         """Whether ``spec``'s gradient is large enough (and contiguous) to be a bucket of its own."""
         return owns_bucket(spec, self.own_bucket_mb)
+
+    def stages(self, spec: ParameterSpec) -> bool:
+        """Whether ``spec``'s bucket is combined through a host mirror."""
+        return self.stage_cuda and spec.device.type == "cuda"
 
     def copies(self, spec: ParameterSpec) -> bool:
         """Whether ``spec``'s hook copies its gradient into its bucket."""
@@ -117,8 +125,10 @@ class BucketSpec:
         places: its parameters, in buffer order.
         dtype, device: of its buffer.
         own_gradient: one large parameter whose own ``.grad`` is the buffer.
-        shared_offset: the byte offset of its buffer in this rank's part of the shared segment (``None``: a private
-            buffer, or an own-gradient bucket, which adopts autograd's tensor).
+        shared_offset: the byte offset of its host memory in this rank's part of the shared segment: its buffer, or
+            for a staged bucket its mirror (``None``: private memory; an own-gradient host bucket adopts autograd's
+            tensor).
+        staged: a CUDA bucket combined through a host mirror of its buffer (MPI cannot read device memory).
     """
 
     index: int
@@ -127,6 +137,7 @@ class BucketSpec:
     device: torch.device
     own_gradient: bool = False
     shared_offset: int | None = None
+    staged: bool = False
 
     @property
     def numel(self) -> int:
@@ -242,9 +253,11 @@ def plan_layout(
             offset += spec.numel
         first = ordered[0][1]
         own = len(ordered) == 1 and owns_bucket(first, own_bucket_mb) and not policy.copies(first)
+        staged = policy.stages(first)
         shared_offset = None
-        if policy.shared and first.device.type == "cpu" and not own:
+        if policy.shared and ((first.device.type == "cpu" and not own) or staged):
             shared_offset = -(-shared_bytes // SHARED_ALIGN) * SHARED_ALIGN
             shared_bytes = shared_offset + offset * first.dtype.itemsize
-        buckets.append(BucketSpec(index, tuple(bucket_places), first.dtype, first.device, own, shared_offset))
+        spec = BucketSpec(index, tuple(bucket_places), first.dtype, first.device, own, shared_offset, staged)
+        buckets.append(spec)
     return BucketLayout(tuple(buckets), tuple(places), shared_bytes)

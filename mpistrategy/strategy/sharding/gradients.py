@@ -263,11 +263,13 @@ class GradientShards:
 
     def _receiving_block(self, bucket: _Bucket, count: int) -> torch.Tensor:
         """Where ``bucket``'s block of ``count`` elements is received: straight into the shard when this pass writes
-        it (no memory beyond the shard), else (a pass adding to the shard) a buffer of its own."""
+        it and MPI can address it (no memory beyond the shard), else (a pass adding to the shard, or a shard on a
+        device that MPI cannot read) a buffer of its own beside the wire."""
         assert bucket.wire is not None
         space = bucket.space
         target = space.shard[bucket.target : bucket.target + count]
-        if space.writing and target.dtype == bucket.wire.dtype and self.group.cross is None:
+        receivable = target.dtype == bucket.wire.dtype and target.device == bucket.wire.device
+        if space.writing and receivable and self.group.cross is None:
             return target
         return torch.empty(count, dtype=bucket.wire.dtype, device=bucket.wire.device)
 
