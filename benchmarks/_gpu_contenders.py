@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -16,7 +19,7 @@ from mpi4py import MPI
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import mpistrategy  # noqa: F401  (registers "mpi_ad")
+import mpistrategy  # registers "mpi_ad"
 
 VOCAB = 32
 CLASSES = 10
@@ -73,6 +76,40 @@ class Encoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+def rank_device(kind: str) -> torch.device:
+    """``cuda:<rank on this machine mod visible GPUs>`` (as mpi_ad picks it), made current, or the CPU."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    from mpistrategy.comm.topology import topology
+
+    device = torch.device("cuda", topology().machine_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's and its cores."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
+
+
+def versions() -> dict[str, Any]:
+    """The versions of what a GPU figure depends on."""
+    import lightning
+
+    from mpistrategy.comm.buffers import cuda_aware
+
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lightning": lightning.__version__,
+        "mpistrategy": mpistrategy.__version__,
+        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi_cuda_aware": cuda_aware(),
+    }
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:

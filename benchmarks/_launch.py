@@ -25,6 +25,21 @@ QUIET_TRAINER = dict(
 )
 
 
+def add_encoder_arguments(parser) -> None:
+    """The GPU benchmarks' encoder shape and batch as options (defaults: the 100.8M-parameter encoder)."""
+    parser.add_argument("--layers", type=int, default=8, help="encoder layers")
+    parser.add_argument("--d-model", type=int, default=1024, help="model width (feed-forward: 4x)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sample")
+    parser.add_argument("--batch", type=int, default=16, help="samples per rank and step")
+
+
+def encoder_record(args, parameters: int) -> dict:
+    """The encoder's shape and batch as the GPU benchmarks' JSON records them."""
+    keys = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq}
+    return {**keys, "batch_per_rank": args.batch, "parameters": parameters}
+
+
 def share_cores(comm) -> int:
     """Give this rank its share of the cores as torch threads (``cpu_count // ranks``, at least 1, also in
     ``OMP_NUM_THREADS``) and quiet Lightning's and Python's warnings; returns the threads per rank."""

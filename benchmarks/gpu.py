@@ -51,7 +51,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -60,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, paired_range, run_under_mpi, save  # noqa: E402
+from _launch import RESULTS, add_encoder_arguments, encoder_record, paired_range, run_under_mpi, save  # noqa: E402
 
 CONTENDERS = ("mpi_ad", "ddp", "hand", "local", "lightning_local")
 RATIOS = (
@@ -109,11 +108,7 @@ def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the models train")
     parser.add_argument("--ranks", type=_rank_counts, default=[2, 1], help="MPI jobs to run, e.g. 2,1 (default)")
-    parser.add_argument("--layers", type=int, default=8, help="encoder layers")
-    parser.add_argument("--d-model", type=int, default=1024, help="model width (feed-forward: 4x)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads")
-    parser.add_argument("--seq", type=int, default=256, help="tokens per sample")
-    parser.add_argument("--batch", type=int, default=16, help="samples per rank and step")
+    add_encoder_arguments(parser)
     parser.add_argument("--precision", choices=("bf16-mixed", "32-true", "16-mixed"), default="bf16-mixed")
     parser.add_argument("--steps", type=int, default=15, help="steps per round and contender")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every round")
@@ -184,11 +179,20 @@ def _job(args: argparse.Namespace) -> dict[str, Any] | None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
-    from _gpu_contenders import Workload, no_sync, plain_run, staged_allreduce, trainer_run
+    from _gpu_contenders import (
+        Workload,
+        device_name,
+        no_sync,
+        plain_run,
+        rank_device,
+        staged_allreduce,
+        trainer_run,
+        versions,
+    )
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # after Lightning's import, which sets it
 
-    device = _this_rank_device(args.device)
+    device = rank_device(args.device)
     workload = Workload(args.layers, args.d_model, args.heads, args.seq, args.batch, args.precision, device)
     gpus = comm.allgather(str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None)
     share = device.type == "cuda" and len(set(gpus)) < len(gpus)
@@ -207,30 +211,17 @@ def _job(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     run = {
         "ranks": comm.size,
-        "device_name": _device_name(device),
+        "device_name": device_name(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ranks_share_gpu": share,
         "ddp_backend": ddp_backend,
         "threads_per_rank": threads,
         "parameters": sum(p.numel() for p in dataclasses.replace(workload, device=meta).model().parameters()),
-        "versions": _versions(),
+        "versions": versions(),
         **_summary(rounds, phases, peaks_per_rank if device.type == "cuda" else None),
     }
     _print_run(run, args)
     return run
-
-
-def _this_rank_device(kind: str):
-    """``cuda:<rank on this machine mod visible GPUs>`` (as mpi_ad picks it), or the CPU."""
-    import torch
-
-    if kind != "cuda":
-        return torch.device("cpu")
-    from mpistrategy.comm.topology import topology
-
-    device = torch.device("cuda", topology().machine_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
 
 
 def _measure(contenders: dict, args: argparse.Namespace, device, comm) -> tuple[list, dict, dict]:
@@ -273,32 +264,6 @@ def _peak_gib(device) -> float:
     import torch
 
     return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
-
-
-def _device_name(device) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
-
-
-def _versions() -> dict[str, Any]:
-    import lightning
-    import torch
-    from mpi4py import MPI
-
-    import mpistrategy
-    from mpistrategy.comm.buffers import cuda_aware
-
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "lightning": lightning.__version__,
-        "mpistrategy": mpistrategy.__version__,
-        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-        "mpi_cuda_aware": cuda_aware(),
-    }
 
 
 # --------------------------------------------------------------------------------------------- summary
@@ -390,14 +355,7 @@ def _write(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "device": args.device,
         "device_name": runs[0]["device_name"],
         "date": runs[0]["date"],
-        "model": {
-            "layers": args.layers,
-            "d_model": args.d_model,
-            "heads": args.heads,
-            "seq": args.seq,
-            "batch_per_rank": args.batch,
-            "parameters": runs[0]["parameters"],
-        },
+        "model": encoder_record(args, runs[0]["parameters"]),
         "precision": args.precision,
         "steps": args.steps,
         "warmup": args.warmup,

@@ -4,7 +4,7 @@
 #   benchmarks/gpu_run.sh prepare                        # first, where PyPI is at hand (see below)
 #   benchmarks/gpu_run.sh [STAGE...] [-- GPU.PY ARGUMENTS]
 #
-# Stages, in this order (default: install bench zero tests):
+# Stages, in this order (default: install bench staging zero tests):
 #   prepare  download into .whl/ the wheels a GPU machine without PyPI needs beside its torch and Lightning:
 #            mpich, mpi4py, hydra-core, omegaconf 2.3, antlr4 (built here: PyPI has its source only), for CPython
 #            $GPU_RUN_PYTHON_VERSION (3.12) on x86_64 Linux. Carry .whl/ (ignored by git) with the checkout.
@@ -14,6 +14,8 @@
 #            installed). Without .whl/: the current Python as it is (pip install -e ".[mpich,test]" beforehand).
 #   bench    python benchmarks/gpu.py [GPU.PY ARGUMENTS]: 2 ranks, then 1 rank, every contender;
 #            writes gpu.json and gpu.png to $GPU_RUN_RESULTS (benchmarks/results).
+#   staging  python benchmarks/gpu_staging.py $GPU_RUN_STAGING: where mpi_ad's staged synchronisation spends a step
+#            (2 ranks; bucket caps and shared memory on or off as gpu_staging.py's options); writes gpu_staging.json.
 #   zero     python benchmarks/zero.py --accelerator gpu $GPU_RUN_ZERO: sharded optimizer state (ZeRO stages 1 and
 #            2) against flat mpi_ad and ZeroRedundancyOptimizer with DDP, 2 and 4 ranks; writes zero.json and zero.png.
 #   tests    pytest -ra ${GPU_RUN_TESTS:-tests/gpu} (test files, -k expressions, pytest options).
@@ -29,12 +31,12 @@ stages=()
 while [ $# -gt 0 ]; do
     case $1 in
         --) shift; break ;;
-        prepare | install | bench | zero | tests) stages+=("$1"); shift ;;
-        *) echo "gpu_run.sh: unknown stage '$1' (prepare, install, bench, zero, tests; gpu.py's arguments after --)" >&2
+        prepare | install | bench | staging | zero | tests) stages+=("$1"); shift ;;
+        *) echo "gpu_run.sh: unknown stage '$1' (prepare, install, bench, staging, zero, tests; gpu.py's arguments after --)" >&2
            exit 2 ;;
     esac
 done
-[ ${#stages[@]} -gt 0 ] || stages=(install bench zero tests)
+[ ${#stages[@]} -gt 0 ] || stages=(install bench staging zero tests)
 mkdir -p "$LOGS"
 
 prepare() {
@@ -82,6 +84,12 @@ print('lightning', lightning.__version__, 'mpi4py', mpi4py.__version__, MPI.Get_
 bench() {
     python benchmarks/gpu.py --results "$RESULTS" "$@" || return 1
     if [ -n "${OUT:-}" ]; then cp "$RESULTS/gpu.json" "$RESULTS/gpu.png" "$OUT/"; fi
+}
+
+staging() {
+    # shellcheck disable=SC2086  # the options are words
+    python benchmarks/gpu_staging.py --results "$RESULTS" ${GPU_RUN_STAGING:-} || return 1
+    if [ -n "${OUT:-}" ]; then cp "$RESULTS/gpu_staging.json" "$OUT/"; fi
 }
 
 zero() {

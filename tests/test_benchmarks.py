@@ -151,6 +151,30 @@ def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios
     assert refused.returncode == 2 and "--device cpu: give --results DIR" in refused.stderr
 
 
+def test_gpu_staging_benchmark_on_the_cpu_times_every_part_of_every_configuration(tmp_path: Path) -> None:
+    """The staging breakdown's code with the CPU standing in for the GPU (no mirrors there: the parts are zero and
+    nothing is hidden), two bucket caps, shared memory on and off."""
+    tiny = ("--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "8", "--batch", "4")
+    output = run_benchmark("gpu_staging.py", tmp_path, *tiny, "--caps", "25", "0.01")
+    payload = json.loads((tmp_path / "gpu_staging.json").read_text())
+    assert payload["ranks"] == 2 and payload["model"]["parameters"] == 14_058 and payload["steps"] == 3
+    configurations = payload["configurations"]
+    assert [(c["bucket_cap_mb"], c["shared_memory"]) for c in configurations] == [
+        (25.0, "auto"),
+        (25.0, "off"),
+        (0.01, "auto"),
+        (0.01, "off"),
+    ]
+    for c in configurations:
+        assert c["mirrored"] is False and c["hidden"] is None
+        for name in ("alone", "step", "backward_returned", "wait_returned"):
+            assert_positive(c["ms"][name], name)
+        assert c["ms"]["backward_returned"] <= c["ms"]["wait_returned"] <= c["ms"]["step"]
+        assert c["ms"]["device_to_host"] == c["ms"]["host_sums"] == c["ms"]["host_to_device"] == 0.0
+    assert configurations[0]["buckets"] == 1 and configurations[2]["buckets"] > 1
+    assert "staged gradient synchronisation on CPU" in output and "hidden" in output
+
+
 def test_zero_benchmark_times_every_contender_and_measures_the_state(tmp_path: Path) -> None:
     output = run_benchmark("zero.py", tmp_path, "--models", "mlp")
     payload = json.loads((tmp_path / "zero.json").read_text())

@@ -261,7 +261,7 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     if (dtype is None or dtype == tensor.dtype) and host_ready(tensor):
         return tensor
     if needs_staging(tensor):
-        return tensor.to(device=_CPU, dtype=dtype or tensor.dtype).contiguous()
+        return staging_buffer(tensor.device, tuple(tensor.shape), dtype or tensor.dtype).copy_(tensor)
     wire = tensor.to(dtype=dtype or tensor.dtype).contiguous()
     if wire.is_cuda:
         torch.cuda.current_stream(wire.device).synchronize()
@@ -271,9 +271,20 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
 def empty_on_wire(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised receive buffer MPI can address, for a result that will live on ``device``: host memory
     comes from the :data:`~mpistrategy.comm.pool.receive_pool` (recycled once nothing refers to it)."""
-    if device.type == "cpu" or _staged_on(device):
+    if device.type == "cpu":
         return receive_pool.empty(shape, dtype)
+    if _staged_on(device):
+        return staging_buffer(device, shape, dtype)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def staging_buffer(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised host memory through which a tensor of ``device`` travels: page-locked for a CUDA device (from
+    torch's caching host allocator: copies to and from it run at the bus's speed, 52-54 GB/s device-to-host on an
+    H100 against 5-13 GB/s for pageable memory), else from the :data:`~mpistrategy.comm.pool.receive_pool`."""
+    if device.type == "cuda":
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return receive_pool.empty(shape, dtype)
 
 
 def off_wire(buffer: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -258,6 +258,5 @@ def plan_layout(
         if policy.shared and ((first.device.type == "cpu" and not own) or staged):
             shared_offset = -(-shared_bytes // SHARED_ALIGN) * SHARED_ALIGN
             shared_bytes = shared_offset + offset * first.dtype.itemsize
-        spec = BucketSpec(index, tuple(bucket_places), first.dtype, first.device, own, shared_offset, staged)
-        buckets.append(spec)
+        buckets.append(BucketSpec(index, tuple(bucket_places), first.dtype, first.device, own, shared_offset, staged))
     return BucketLayout(tuple(buckets), tuple(places), shared_bytes)
