@@ -178,7 +178,7 @@ def test_gpu_staging_benchmark_on_the_cpu_times_every_part_of_every_configuratio
 def test_zero_benchmark_times_every_contender_and_measures_the_state(tmp_path: Path) -> None:
     output = run_benchmark("zero.py", tmp_path, "--models", "mlp")
     payload = json.loads((tmp_path / "zero.json").read_text())
-    assert set(payload) == {"steps", "warmup", "rounds", "jobs"} and payload["rounds"] == 1
+    assert set(payload) == {"date", "steps", "warmup", "rounds", "jobs"} and payload["rounds"] == 1
     (job,) = payload["jobs"]
     assert job["ranks"] == 2 and set(job["models"]) == {"mlp"}
     result = job["models"]["mlp"]

@@ -27,15 +27,31 @@ ROOT = Path(__file__).parents[2]
 
 def _run_python(code: str, *, ranks: int | None = None, **env: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter (``ranks``: under ``mpiexec -n ranks``) with this checkout on the path."""
+    return _start_python(code, ranks=ranks, **env).result()
+
+
+def _start_python(code: str, *, ranks: int | None = None, **env: str) -> _Started:
+    """:func:`_run_python` started in the background: ``.result()`` waits for it."""
     environ = {**clean_environ(), "PYTHONPATH": str(ROOT), **env}
     launcher = [] if ranks is None else [*mpiexec_command(), "-n", str(ranks)]
-    return subprocess.run(
-        [*launcher, sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=300,
-    )
+    command = [*launcher, sys.executable, "-c", textwrap.dedent(code)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
+    return _Started(command, process)
+
+
+class _Started:
+    """A fresh interpreter in flight."""
+
+    def __init__(self, command: list[str], process: subprocess.Popen) -> None:
+        self._command, self._process = command, process
+
+    def result(self) -> subprocess.CompletedProcess:
+        try:
+            stdout, stderr = self._process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            raise
+        return subprocess.CompletedProcess(self._command, self._process.returncode, stdout, stderr)
 
 
 # Builds a Trainer of each Lightning package and a Fabric by the name "mpi_ad" and checks the strategy classes.
@@ -136,32 +152,36 @@ def test_lightning_alone_knows_no_mpistrategy_name() -> None:
     assert "REFUSED You selected an invalid strategy name: `strategy='mpi_ad'`" in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize(
-    "first_import",
-    [
-        "import mpistrategy",
-        "from mpistrategy.strategy.mpi_ad import MPIADStrategy",
-        "from mpistrategy.strategy.environment import MPIEnvironment",
-        "from mpistrategy.strategy.pytorch_lightning import MPIADStrategy",
-        "from mpistrategy.strategy import MPIADStrategy",
-        "from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy",
-        "from mpistrategy.strategy.base import MPIStrategyBase",
-        "import lightning",
-        "import pytorch_lightning",
-        "import pytorch_lightning, lightning.pytorch",
-        "import lightning.fabric",
-    ],
+FIRST_IMPORTS = (
+    "import mpistrategy",
+    "from mpistrategy.strategy.mpi_ad import MPIADStrategy",
+    "from mpistrategy.strategy.environment import MPIEnvironment",
+    "from mpistrategy.strategy.pytorch_lightning import MPIADStrategy",
+    "from mpistrategy.strategy import MPIADStrategy",
+    "from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy",
+    "from mpistrategy.strategy.base import MPIStrategyBase",
+    "import lightning",
+    "import pytorch_lightning",
+    "import pytorch_lightning, lightning.pytorch",
+    "import lightning.fabric",
 )
-def test_trainer_and_fabric_build_by_name_whatever_is_imported_first(first_import: str) -> None:
+
+
+@pytest.fixture(scope="module")
+def built_by_name() -> dict[str, _Started]:
+    """Per first import, the interpreter that imports it, then mpistrategy, and builds the strategies by name: all
+    started at once (each spends seconds importing torch and Lightning)."""
+    code = textwrap.dedent(BUILD_BY_NAME)
+    return {first: _start_python(f"{first}\nimport mpistrategy\n{code}") for first in FIRST_IMPORTS}
+
+
+@pytest.mark.parametrize("first_import", FIRST_IMPORTS)
+def test_trainer_and_fabric_build_by_name_whatever_is_imported_first(
+    first_import: str, built_by_name: dict[str, _Started]
+) -> None:
     """A strategy module imported first imports mpistrategy, then Lightning, whose import hook registers while that
     module is half-done; Lightning imported first is registered with when mpistrategy is imported."""
-    result = _run_python(
-        f"""
-        {first_import}
-        import mpistrategy
-        {textwrap.indent(textwrap.dedent(BUILD_BY_NAME), " " * 8).strip()}
-        """
-    )
+    result = built_by_name[first_import].result()
     assert result.returncode == 0, result.stderr[-3000:]
     assert BUILT in result.stdout, result.stdout
     assert "could not register" not in result.stderr
