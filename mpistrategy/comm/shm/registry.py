@@ -28,17 +28,17 @@ def group_for(channel: MPI.Intracomm, tensor: torch.Tensor, op: str) -> SharedMe
     return _group(channel)
 
 
-def build_group(comm: Communicator, largest_bytes: int) -> None:
-    """Build the group of ``comm``'s allreduces now, with staging for messages of up to ``largest_bytes``, where
-    shared memory may carry them (collective over ``comm``), so that no non-blocking allreduce of that size builds
-    or grows them later: both are collectives, and ranks may start their non-blocking operations at different
-    moments (a rank that starts gradient buckets during backward while the others wait for it to say which
-    parameters it used)."""
-    if shared_memory_mode() == "off" or comm.size < 2:
+def build_group(comm: Communicator, largest: torch.Tensor) -> None:
+    """Build the group of ``comm``'s allreduces now, with staging for messages up to the size of ``largest``, where
+    shared memory would carry an allreduce of ``largest`` (collective over ``comm``), so that no non-blocking
+    allreduce of that size builds or grows them later: both are collectives, and ranks may start their non-blocking
+    operations at different moments (a rank that starts gradient buckets during backward while the others wait for
+    it to say which parameters it used)."""
+    if comm.size < 2 or not uses_shared_memory(largest, "avg", comm.size):
         return
     group = _group(comm.forward)
     if group is not None:
-        group.hold_staging(largest_bytes)
+        group.hold_staging(largest.numel() * largest.element_size())
 
 
 def _group(channel: MPI.Intracomm) -> SharedMemoryGroup | None:

@@ -210,9 +210,11 @@ class GradientReducer:
                 hook = self._hook(bucket, place.position, place.slot)
                 self._hooks.append(self._params[place.slot].register_post_accumulate_grad_hook(hook))
         self._check_layout()
-        largest = max((spec.nbytes for spec in self.layout.buckets), default=0)
-        for comm in self._gradient_comms():
-            build_group(comm, largest)
+        host = [m if m is not None else b.buffer for b, m in zip(self.buckets, self.memory.mirrors, strict=True)]
+        if host:
+            largest = max(host, key=lambda buffer: buffer.numel() * buffer.element_size())
+            for comm in self._gradient_comms():
+                build_group(comm, largest)
         self._requires_grad = ()
         self._zero_grad.use(self.memory)
         self.sync.setup_buckets(self.buckets)
