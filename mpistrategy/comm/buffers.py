@@ -271,9 +271,7 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
 def empty_on_wire(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised receive buffer MPI can address, for a result that will live on ``device``: host memory
     comes from the :data:`~mpistrategy.comm.pool.receive_pool` (recycled once nothing refers to it)."""
-    if device.type == "cpu":
-        return receive_pool.empty(shape, dtype)
-    if _staged_on(device):
+    if device.type == "cpu" or _staged_on(device):
         return staging_buffer(device, shape, dtype)
     return torch.empty(shape, dtype=dtype, device=device)
 
