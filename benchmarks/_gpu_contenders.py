@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import mpistrategy  # registers "mpi_ad"
+from mpistrategy.comm.cuda_ipc import VARIABLE as CUDA_IPC
 
 VOCAB = 32
 CLASSES = 10
@@ -197,19 +198,27 @@ class StepTimer(L.Callback):
 
 
 def trainer_run(kind: str, workload: Workload, ddp_backend: str) -> Run:
-    """``kind``: ``"mpi_ad"`` (``Trainer(strategy="mpi_ad")``), ``"ddp"`` (``DDPStrategy`` over ``ddp_backend``,
+    """``kind``: ``"mpi_ad"`` (``Trainer(strategy="mpi_ad")``), ``"mpi_ad_host"`` (the same with CUDA buckets
+    through host mirrors, ``MPISTRATEGY_CUDA_IPC=0``), ``"ddp"`` (``DDPStrategy`` over ``ddp_backend``,
     every rank presented to Lightning as a node of one process) or ``"lightning_local"`` (this rank's device
     alone, Lightning's single-device strategy, trained on one rank's share of the data)."""
     comm = MPI.COMM_WORLD
     on_cuda = workload.device.type == "cuda"
     this_device = [workload.device.index] if on_cuda else 1
+    cuda_ipc = os.environ.get(CUDA_IPC)  # as the run was started: mpi_ad keeps it
 
     def run(steps: int) -> dict[str, list[float]]:
         timer = StepTimer(workload)
         accelerator = "gpu" if on_cuda else "cpu"
         options = dict(accelerator=accelerator, precision=workload.precision, max_steps=steps, callbacks=[timer])
         options.update(QUIET_TRAINER)
-        if kind == "mpi_ad":
+        if kind in ("mpi_ad", "mpi_ad_host"):
+            if kind == "mpi_ad_host":
+                os.environ[CUDA_IPC] = "0"
+            elif cuda_ipc is None:
+                os.environ.pop(CUDA_IPC, None)
+            else:
+                os.environ[CUDA_IPC] = cuda_ipc
             trainer = L.Trainer(strategy="mpi_ad", **options)
         elif kind == "ddp":
             strategy = DDPStrategy(process_group_backend=ddp_backend)

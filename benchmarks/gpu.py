@@ -13,7 +13,10 @@ is a token embedding, ``nn.TransformerEncoder`` and a linear head to 10 classes,
 (lr 0.01, momentum 0.9) on synthetic tokens, batch ``--batch`` x ``--seq`` tokens per rank, in ``--precision``.
 Contenders (the same model, data, optimizer and steps; see ``_gpu_contenders.py``):
 
-- ``mpi_ad``: ``Trainer(strategy="mpi_ad", accelerator="gpu")``;
+- ``mpi_ad``: ``Trainer(strategy="mpi_ad", accelerator="gpu")`` (ranks sharing one GPU average the buckets in
+  each other's device memory);
+- ``mpi_ad_host``: the same with every CUDA bucket through its pinned host mirror (``MPISTRATEGY_CUDA_IPC=0``: what
+  ranks on GPUs that cannot map each other's memory, or on different nodes, get);
 - ``ddp``: ``Trainer(strategy=DDPStrategy(...))`` over NCCL when every rank has a GPU of its own, over gloo when
   ranks share one (NCCL refuses two ranks on one GPU); every rank is presented to Lightning as a node of one
   process, so that ranks sharing a GPU each find their device; its process group is destroyed after each round;
@@ -61,9 +64,10 @@ from typing import Any
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _launch import RESULTS, add_encoder_arguments, encoder_record, paired_range, run_under_mpi, save  # noqa: E402
 
-CONTENDERS = ("mpi_ad", "ddp", "hand", "local", "lightning_local")
+CONTENDERS = ("mpi_ad", "mpi_ad_host", "ddp", "hand", "local", "lightning_local")
 RATIOS = (
     ("mpi_ad", "hand"),
+    ("mpi_ad_host", "hand"),
     ("mpi_ad", "ddp"),
     ("mpi_ad", "lightning_local"),
     ("lightning_local", "ddp"),
@@ -199,6 +203,7 @@ def _job(args: argparse.Namespace) -> dict[str, Any] | None:
     ddp_backend = "nccl" if device.type == "cuda" and not share and torch.distributed.is_nccl_available() else "gloo"
     contenders = {
         "mpi_ad": trainer_run("mpi_ad", workload, ddp_backend),
+        "mpi_ad_host": trainer_run("mpi_ad_host", workload, ddp_backend),
         "ddp": trainer_run("ddp", workload, ddp_backend),
         "hand": plain_run(workload, staged_allreduce(workload)),
         "local": plain_run(workload, no_sync),
@@ -277,6 +282,7 @@ def _summary(rounds: list[dict[str, float]], phases: dict[str, list[float]], pea
         ratios[f"{name}/{reference}"] = {"median": median, "min": low, "max": high}
     sync = {
         "mpi_ad": statistics.median(r["mpi_ad"] - r["lightning_local"] for r in rounds),
+        "mpi_ad_host": statistics.median(r["mpi_ad_host"] - r["lightning_local"] for r in rounds),
         "ddp": statistics.median(r["ddp"] - r["lightning_local"] for r in rounds),
         "hand": statistics.median(r["hand"] - r["local"] for r in rounds),
     }
@@ -337,7 +343,8 @@ def _print_run(run: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{key:<24} = {memory['mpi_ad/ddp']:.3f}   {_verdict(key, memory['mpi_ad/ddp'], run['ranks'], on_cuda)}")
     sync, phases = run["sync_ms"], run["hand_phases_ms"]
     print(
-        f"\nsynchronisation per step (ms, over training alone): mpi_ad {sync['mpi_ad']:.2f}, ddp {sync['ddp']:.2f}, "
+        f"\nsynchronisation per step (ms, over training alone): mpi_ad {sync['mpi_ad']:.2f}, mpi_ad_host "
+        f"{sync['mpi_ad_host']:.2f}, ddp {sync['ddp']:.2f}, "
         f"hand {sync['hand']:.2f} = device-to-host {phases['device_to_host']:.2f} + MPI {phases['mpi']:.2f} + "
         f"host-to-device {phases['host_to_device']:.2f} + the rest (cat, mean, copies into .grad)"
     )
@@ -401,7 +408,8 @@ def _plot(payload: dict[str, Any], path: Path) -> None:
 def _plot_sync(ax, run: dict[str, Any]) -> None:
     phases = run["hand_phases_ms"]
     sync = run["sync_ms"]
-    ax.bar(["mpi_ad", "ddp"], [sync["mpi_ad"], sync["ddp"]], color=["C0", "C1"])
+    names = ["mpi_ad", "mpi_ad_host", "ddp"]
+    ax.bar(names, [sync[name] for name in names], color=["C0", "C5", "C1"])
     bottom = 0.0
     for number, phase in enumerate(("device_to_host", "mpi", "host_to_device")):
         ax.bar(["hand"], [phases[phase]], bottom=bottom, color=f"C{number + 2}", label=phase.replace("_", " "))
@@ -409,7 +417,7 @@ def _plot_sync(ax, run: dict[str, Any]) -> None:
     ax.bar(["hand"], [max(0.0, sync["hand"] - bottom)], bottom=bottom, color="C9", label="hand: the rest")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_ylabel("ms per step over training alone")
-    ax.set_title("synchronisation: mpi_ad and ddp over lightning_local, hand over local", fontsize=10)
+    ax.set_title("synchronisation: mpi_ad(_host) and ddp over lightning_local, hand over local", fontsize=10)
     ax.legend(fontsize=8)
 
 

@@ -125,12 +125,13 @@ def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios
     payload = json.loads((tmp_path / "gpu.json").read_text())
     assert payload["device"] == "cpu" and payload["model"]["parameters"] == 14_058 and set(payload["runs"]) == {"2"}
     run = payload["runs"]["2"]
-    contenders = {"mpi_ad", "ddp", "hand", "local", "lightning_local"}
+    contenders = {"mpi_ad", "mpi_ad_host", "ddp", "hand", "local", "lightning_local"}
     assert run["ranks"] == 2 and run["ddp_backend"] == "gloo" and run["memory"] is None
     assert len(run["rounds"]) == 2 and all(set(r) == contenders for r in run["rounds"])
     assert set(run["median_ms_per_step"]) == contenders and all(v > 0 for v in run["median_ms_per_step"].values())
     assert set(run["ratios"]) == {
         "mpi_ad/hand",
+        "mpi_ad_host/hand",
         "mpi_ad/ddp",
         "mpi_ad/lightning_local",
         "lightning_local/ddp",

@@ -1,5 +1,6 @@
-"""CUDA gradient buckets through pinned host mirrors (``mpistrategy.strategy.reducer.staging``): the same gradients
-as the host path, also with parameters that only some ranks use, and no memory allocated per step."""
+"""CUDA gradient buckets, averaged on the GPU the ranks share (``mpistrategy.strategy.reducer.peer_sums``) or through
+pinned host mirrors (``mpistrategy.strategy.reducer.staging``, ``MPISTRATEGY_CUDA_IPC=0``): the same gradients as
+the host path, also with parameters that only some ranks use, and no memory allocated per step."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from mpistrategy.comm.buffers import cuda_aware
+from mpistrategy.comm.cuda_ipc import VARIABLE as CUDA_IPC
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from tests.gpu.test_training import AdamWRegressor
 from tests.strategy.helpers import QUIET, RANK, SIZE, assert_same_on_all_ranks, flat_parameters, loader, regression_data
@@ -50,17 +52,30 @@ def train(device: torch.device, callbacks: list[L.Callback] | None = None) -> tu
     return flat_parameters(model).cpu(), strategy
 
 
+PATHS = {"peer device memory": "1", "host mirrors": "0"}
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which way CUDA buckets are averaged: on the shared GPU through each other's memory, or through host mirrors."""
+    monkeypatch.setenv(CUDA_IPC, PATHS[request.param])
+    return str(request.param)
+
+
 @pytest.mark.mpi(ranks=(1, 2, 3), timeout=300)
-def test_staged_buckets_give_the_parameters_of_the_host_path(device: torch.device) -> None:
+def test_device_buckets_give_the_parameters_of_the_host_path(device: torch.device, path: str) -> None:
     """float64, AdamW: the model trained on the device equals the same training on the CPU to 1e-10, on every
-    rank; on CUDA with MPI that cannot read device memory every bucket went through its host mirror."""
+    rank. On CUDA with ranks sharing the GPU the buckets were averaged in device memory, else (or with the path
+    off) with MPI that cannot read device memory every bucket went through its host mirror."""
     on_device, strategy = train(device)
     assert_same_on_all_ranks(on_device, "parameters")
     on_host, _ = train(torch.device("cpu"))
     torch.testing.assert_close(on_device, on_host, rtol=1e-10, atol=1e-10)
     assert not torch.equal(on_host, flat_parameters(Branches(seed=3))), "training did not move the parameters"
-    staged = device.type == "cuda" and not cuda_aware()
-    assert strategy.reducer is None or strategy.reducer.stages_through_host == staged
+    if strategy.reducer is not None:
+        peers = device.type == "cuda" and SIZE > 1 and path == "peer device memory"
+        assert strategy.reducer.sums_on_device == peers
+        assert strategy.reducer.stages_through_host == (device.type == "cuda" and not cuda_aware() and not peers)
 
 
 class MemoryAtStepEnd(L.Callback):
@@ -84,9 +99,9 @@ class MemoryAtStepEnd(L.Callback):
 
 
 @pytest.mark.mpi(ranks=(2,), timeout=300)
-def test_staging_allocates_nothing_per_step(device: torch.device) -> None:
+def test_device_buckets_allocate_nothing_per_step(device: torch.device, path: str) -> None:
     """After the second step the allocator's figures stay where they are: no device or pinned host memory is
-    allocated per step by staging."""
+    allocated per step, by either path."""
     if device.type != "cuda":
         pytest.skip("the CUDA allocator's statistics need CUDA")
     memory = MemoryAtStepEnd()

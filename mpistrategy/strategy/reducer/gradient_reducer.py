@@ -61,6 +61,7 @@ from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.reducer.launch import InOrderStarts
 from mpistrategy.strategy.reducer.layout import MB, BucketLayout, LayoutPolicy, ParameterSpec, plan_layout
 from mpistrategy.strategy.reducer.memory import BucketMemory, place_gradient
+from mpistrategy.strategy.reducer.peer_sums import PeerSums
 from mpistrategy.strategy.reducer.staging import DeviceStaging
 from mpistrategy.strategy.reducer.usage import GradientFlags, UsageExchange
 from mpistrategy.strategy.reducer.zero_grad import ZeroGradHook
@@ -120,6 +121,7 @@ class GradientReducer:
         self._starts = InOrderStarts()
         self._memory: BucketMemory | None = None
         self._staging: DeviceStaging | None = None
+        self._peers: PeerSums | None = None  # CUDA buckets averaged on the GPU the ranks share
         self._aggregator: Aggregator | None = None  # the current (or last) pass's
         self._bucket_slots: list[np.ndarray] = []  # per bucket: its parameters' slots, for numpy indexing
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -165,18 +167,26 @@ class GradientReducer:
         return self._staging is not None and self._staging.mirrored
 
     @property
+    def sums_on_device(self) -> bool:
+        """Whether CUDA buckets are averaged on the GPU that every rank shares, through each other's device memory
+        (see :mod:`~mpistrategy.strategy.reducer.peer_sums`)."""
+        return self._peers is not None
+
+    @property
     def traffic(self) -> TrafficCounter:
         """The payload bytes this rank's gradient combination sent, by scope (the sync mode's counter)."""
         return self.sync.ctx.traffic
 
     # ----------------------------------------------------------------------------------------------- layout
 
-    def _policy(self, machine: MPI.Intracomm | None) -> LayoutPolicy:
+    def _policy(self, machine: MPI.Intracomm | None, on_device: bool) -> LayoutPolicy:
         """Buckets are summed in shared memory where the ranks they are summed over share this machine: the node,
         in the sync modes that sum inside it, or every rank, for the mean (compressors send other messages). There
         a large gradient goes into the window too, copied by its hook (the allreduce would otherwise copy it into
         staging memory, a second copy of it). With every rank here and the mean, it needs no bucket of its own
-        either (fewer buckets, fewer waits for the other ranks); elsewhere the buckets stay as they are."""
+        either (fewer buckets, fewer waits for the other ranks); elsewhere the buckets stay as they are. Buckets
+        averaged on the device (``on_device``) need no host mirror, and buffers that stay put (no own-gradient
+        bucket: the peers map each buffer once)."""
         on_one_machine = machine is not None and machine.Get_size() == self.topology.size
         mean = isinstance(self.sync.ctx.aggregator, MeanAggregator)
         return LayoutPolicy(
@@ -185,24 +195,29 @@ class GradientReducer:
             self.own_bucket_mb,
             shared=machine is not None,
             copy_large=machine is not None and (self.sync.sums_in_node or (on_one_machine and mean)),
-            merge_large=on_one_machine and mean,
-            stage_cuda=not cuda_aware(),
+            merge_large=(on_one_machine and mean) or on_device,
+            stage_cuda=not cuda_aware() and not on_device,
         )
 
     def _build(self) -> None:
         """(Re)build the buckets over the parameters that require gradients now (and those bucketed before),
         keeping current gradients (collective)."""
         self._remove_hooks()
+        self._close_peers()
         bucketed = self._memory.layout.bucketed_slots if self._memory is not None else frozenset()
         chosen = [p.requires_grad or slot in bucketed for slot, p in enumerate(self._params)]
+        devices = {p.device for slot, p in enumerate(self._params) if chosen[slot]}
+        flat = isinstance(self.sync, FlatSync)
+        on_device = flat and PeerSums.applies(self.topology, self.sync.ctx.aggregator, devices)
         machine = buffer_ranks()
         specs = [(name, ParameterSpec.of(p)) for name, p in zip(self._names, self._params, strict=True)]
-        layout = plan_layout(specs, chosen, self._policy(machine))
+        layout = plan_layout(specs, chosen, self._policy(machine, on_device))
         if machine is not None and not room_for(layout.shared_bytes, machine, "gradient buckets"):
             machine = None
-            layout = plan_layout(specs, chosen, self._policy(machine))
+            layout = plan_layout(specs, chosen, self._policy(machine, on_device))
         retired, self._memory = self._memory, BucketMemory(layout, self._params, machine)
-        self._staging = DeviceStaging(self.buckets, self.memory.mirrors)
+        self._staging = None if on_device else DeviceStaging(self.buckets, self.memory.mirrors)
+        self._peers = PeerSums(self.topology, self.buckets) if on_device else None
         self._starts.begin(None, (), ())  # lets go of the last pass's buckets
         self._bucket_slots = [np.array(spec.slots, dtype=np.intp) for spec in self.layout.buckets]
         for spec, bucket in zip(self.layout.buckets, self.buckets, strict=True):
@@ -211,7 +226,7 @@ class GradientReducer:
                 self._hooks.append(self._params[place.slot].register_post_accumulate_grad_hook(hook))
         self._check_layout()
         host = [m if m is not None else b.buffer for b, m in zip(self.buckets, self.memory.mirrors, strict=True)]
-        if host:
+        if host and not on_device:
             largest = max(host, key=lambda buffer: buffer.numel() * buffer.element_size())
             for comm in self._gradient_comms():
                 build_group(comm, largest)
@@ -274,8 +289,12 @@ class GradientReducer:
         aggregator = self._aggregator = self.sync.gradient_aggregator() if sync else None
         if aggregator is not None:
             self._usage.begin_pass(aggregator)
-        assert self._staging is not None, "built in __init__"
-        self._starts.begin(self._staging.around(aggregator), self.buckets, self._active)
+        if self._peers is not None:
+            combined = self._peers.around(aggregator)
+        else:
+            assert self._staging is not None, "built with the buckets"
+            combined = self._staging.around(aggregator)
+        self._starts.begin(combined, self.buckets, self._active)
 
     def _post_usage(self) -> None:
         self._usage.post(self._flags.local_view)
@@ -371,9 +390,15 @@ class GradientReducer:
         self._zero_grad.detach()
         self._starts.begin(None, (), ())
         self._usage.close()
+        self._close_peers()
         self.memory.retire()
         for comm in self._gradient_comms():
             release(comm)
+
+    def _close_peers(self) -> None:
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
 
     def _gradient_comms(self) -> list[Communicator]:
         """The communicators the aggregators combine gradients over."""
