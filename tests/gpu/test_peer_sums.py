@@ -52,7 +52,7 @@ def test_sums_equal_the_cpu_sum_in_rank_order(cuda: torch.device, dtype: torch.d
                     want /= SIZE
                 got = buffers[index].cpu()
                 # float64: the sums bitwise; CUDA divides by a scalar as a product with its reciprocal (1 ulp)
-                tol = (1e-15 if average else 0.0) if dtype == torch.float64 else (1e-6 if dtype == torch.float32 else 1e-2)
+                tol = {torch.float64: 1e-15 if average else 0.0, torch.float32: 1e-6}.get(dtype, 1e-2)
                 torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m, r=round_: f"round {r}: {m}")
     finally:
         group.close()
