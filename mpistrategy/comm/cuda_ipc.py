@@ -20,6 +20,9 @@ current stream on every peer's event: neither the host nor the device waits for 
 interprocess event can be waited on for its latest record only, so every fence has its own event, reused: a rank
 records it again only after the next fence's barrier, which the others enter after their waits.
 
+:meth:`PeerDeviceGroup.gather` is steps 3-5 alone, on ranges the caller chooses: the allgather of a sharded
+optimizer's updated shards (:mod:`mpistrategy.strategy.sharding.flat`).
+
 Buffers are registered when the group is built and must live as long as it. The group is closed collectively
 (:meth:`PeerDeviceGroup.close`). ``MPISTRATEGY_CUDA_IPC=0`` turns the path off (the buckets then go through host
 memory, see :mod:`mpistrategy.strategy.reducer.staging`).
@@ -28,7 +31,8 @@ memory, see :mod:`mpistrategy.strategy.reducer.staging`).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from mpi4py import MPI
@@ -58,64 +62,99 @@ def gpu_identity(device: torch.device) -> tuple[str, int] | None:
     return str(torch.cuda.get_device_properties(index).uuid), index
 
 
+def chunk_bounds(numel: int, ranks: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` element ranges of a buffer of ``numel`` elements that ``ranks`` ranks reduce, one per
+    rank, starting on multiples of :data:`CHUNK_ALIGN` (the last ones empty where the buffer is short)."""
+    step = -(-numel // (ranks * CHUNK_ALIGN)) * CHUNK_ALIGN
+    return [(min(rank * step, numel), min((rank + 1) * step, numel)) for rank in range(ranks)]
+
+
+def _check_alike(everyone: list, buffers: Sequence[torch.Tensor]) -> None:
+    """Every rank registered buffers of the same shapes and dtypes (each rank sees every rank's: all raise alike)."""
+    for rank, (_, _, described) in enumerate(everyone):
+        if described != everyone[0][2]:
+            raise ValueError(
+                f"rank {rank} registered buffers {described}, rank 0 {everyone[0][2]}: every rank must register the "
+                f"same buffers (shapes and dtypes, in the same order); this rank registered {len(buffers)}."
+            )
+
+
 def share_one_gpu(comm: MPI.Intracomm, device: torch.device | None) -> bool:
     """Whether every rank of ``comm`` (collective) holds its buffers on the same GPU under the same index, and the
     path is enabled everywhere: then :class:`PeerDeviceGroup` can serve them."""
-    mine = gpu_identity(device) if device is not None and enabled() else None
-    everyone = comm.allgather(mine)
-    return mine is not None and all(other == mine for other in everyone)
+    try:
+        mine, problem = (gpu_identity(device) if device is not None and enabled() else None), ""
+    except ValueError as error:  # a setting one rank got wrong: said on every rank
+        mine, problem = None, str(error)
+    everyone = comm.allgather((mine, problem))
+    problems = "; ".join(f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(everyone) if problem)
+    if problems:
+        raise ValueError(problems)
+    return mine is not None and all(other == mine for other, _ in everyone)
 
 
 class PeerDeviceGroup:
-    """In-place sums of registered CUDA buffers over the ranks of ``comm`` (one node, one GPU; see the module
-    docstring). Building it is collective; every rank registers buffers of the same sizes and dtypes, in the same
+    """In-place sums and allgathers of registered CUDA buffers over the ranks of ``comm`` (one node, one GPU; see the
+    module docstring). Building it is collective; every rank registers buffers of the same sizes and dtypes, in the same
     order."""
 
     def __init__(self, comm: MPI.Intracomm, buffers: Sequence[torch.Tensor]) -> None:
         self._comm = comm.Dup()
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
-        self._events = [Event(interprocess=True) for _ in range(_FENCES)]
+        self.buffers: list[list[torch.Tensor]] = []
+        self._events: list[Event] = []
+        self._peer_events: list[list[Event]] = []
         device = buffers[0].device if buffers else torch.device("cuda", torch.cuda.current_device())
         try:
-            self._map(buffers, device)
+            with torch.cuda.device(device):
+                everyone = self._agree(lambda: self._export(buffers))
+                _check_alike(everyone, buffers)
+                self._agree(lambda: self._open(everyone, buffers, device))
         except BaseException:
             self._comm.Free()
             raise
 
-    def _map(self, buffers: Sequence[torch.Tensor], device: torch.device) -> None:
-        """Exchange the buffers' and the fences' handles and open the peers' (collective)."""
+    def _agree(self, work: Callable[[], Any]) -> list[Any]:
+        """``work()`` on every rank, its results gathered in rank order (collective); where it fails on some rank,
+        every rank raises, naming each rank's failure."""
+        try:
+            outcome, problem = work(), ""
+        except Exception as error:  # reported on every rank below
+            outcome, problem = None, f"{type(error).__name__}: {error}"
+        gathered = self._comm.allgather((outcome, problem))
+        failed = "; ".join(f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(gathered) if problem)
+        if failed:
+            raise RuntimeError(
+                f"sharing device memory between the ranks on this GPU failed ({failed}); set {VARIABLE}=0 to "
+                "combine through host memory instead."
+            )
+        return [value for value, _ in gathered]
+
+    def _export(self, buffers: Sequence[torch.Tensor]) -> tuple[list, list, list]:
+        """This rank's fence events, and what the peers need to open them and the buffers: the buffers' IPC
+        arguments, the events' handles, the buffers' shapes and dtypes."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        with torch.cuda.device(device):
-            handles = [event.ipc_handle() for event in self._events]
-            shared = [reduce_tensor(buffer)[1] for buffer in buffers]
-            everyone = self._comm.allgather((shared, handles))
-            self.buffers = [self._open(everyone, index, buffer) for index, buffer in enumerate(buffers)]
-            opened = Event.from_ipc_handle
-            self._peer_events = [
-                [mine if rank == self.rank else opened(device, peer[1][fence]) for rank, peer in enumerate(everyone)]
-                for fence, mine in enumerate(self._events)
-            ]
+        self._events = [Event(interprocess=True) for _ in range(_FENCES)]
+        shared = [reduce_tensor(buffer)[1] for buffer in buffers]
+        described = [(tuple(buffer.shape), str(buffer.dtype)) for buffer in buffers]
+        return shared, [event.ipc_handle() for event in self._events], described
 
-    def _open(self, everyone: list, index: int, mine: torch.Tensor) -> list[torch.Tensor]:
-        """Buffer ``index`` of every rank, in rank order (this rank's own tensor at its place)."""
+    def _open(self, everyone: list, buffers: Sequence[torch.Tensor], device: torch.device) -> None:
+        """Map every peer's buffers and events (this rank's own at its place, in rank order)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        opened = []
-        for rank, (shared, _) in enumerate(everyone):
-            peer = mine if rank == self.rank else rebuild_cuda_tensor(*shared[index])
-            if peer.shape != mine.shape or peer.dtype != mine.dtype:
-                raise ValueError(
-                    f"rank {rank} registered buffer {index} as {peer.dtype} {tuple(peer.shape)}, this rank as "
-                    f"{mine.dtype} {tuple(mine.shape)}: every rank must register the same buffers."
-                )
-            opened.append(peer)
-        return opened
-
-    def chunks(self, numel: int) -> list[tuple[int, int]]:
-        """The ``[start, stop)`` element ranges that the ranks reduce, one per rank."""
-        step = -(-numel // (self.size * CHUNK_ALIGN)) * CHUNK_ALIGN
-        return [(min(rank * step, numel), min((rank + 1) * step, numel)) for rank in range(self.size)]
+        self.buffers = [
+            [mine if rank == self.rank else rebuild_cuda_tensor(*peer[0][index]) for rank, peer in enumerate(everyone)]
+            for index, mine in enumerate(buffers)
+        ]
+        self._peer_events = [
+            [
+                mine if rank == self.rank else Event.from_ipc_handle(device, peer[1][fence])
+                for rank, peer in enumerate(everyone)
+            ]
+            for fence, mine in enumerate(self._events)
+        ]
 
     def sum(self, index: int, average: bool = False) -> None:
         """Queue, on the current stream, the sum (``average``: the mean) of buffer ``index`` over the ranks, in
@@ -124,7 +163,7 @@ class PeerDeviceGroup:
         parts = self.buffers[index]
         if self.size == 1:
             return
-        bounds = self.chunks(parts[0].numel())
+        bounds = chunk_bounds(parts[0].numel(), self.size)
         start, stop = bounds[self.rank]
         self._fence(0, stream)
         if stop > start:
@@ -132,6 +171,21 @@ class PeerDeviceGroup:
         self._fence(1, stream)
         own = parts[self.rank]
         for rank, (begin, end) in enumerate(bounds):
+            if rank != self.rank and end > begin:
+                own[begin:end].copy_(parts[rank][begin:end])
+        self._fence(2, stream)
+
+    def gather(self, index: int, bounds: Sequence[int]) -> None:
+        """Queue, on the current stream, an allgather in place: rank ``r``'s elements ``[bounds[r], bounds[r+1])`` of
+        buffer ``index`` (written by rank ``r`` before the call, on its current stream) are copied from its buffer
+        into every other rank's. Returns when the work is queued."""
+        stream = torch.cuda.current_stream(self.buffers[index][0].device)
+        parts = self.buffers[index]
+        if self.size == 1:
+            return
+        self._fence(0, stream)
+        own = parts[self.rank]
+        for rank, (begin, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
             if rank != self.rank and end > begin:
                 own[begin:end].copy_(parts[rank][begin:end])
         self._fence(2, stream)

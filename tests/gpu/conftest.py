@@ -46,3 +46,16 @@ def device() -> torch.device:
     index = topology().local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+PATHS = {"peer device memory": "1", "host memory": "0"}
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which way ranks that share a GPU combine: through each other's device memory (``MPISTRATEGY_CUDA_IPC=1``,
+    the default) or through host memory (``0``)."""
+    from mpistrategy.comm.cuda_ipc import VARIABLE
+
+    monkeypatch.setenv(VARIABLE, PATHS[request.param])
+    return str(request.param)

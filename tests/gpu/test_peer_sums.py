@@ -64,3 +64,20 @@ def test_a_rank_registering_another_size_is_told_on_every_rank(cuda: torch.devic
     numel = 1000 + (1 if RANK == SIZE - 1 else 0)
     with pytest.raises(ValueError, match="every rank must register the same buffers"):
         PeerDeviceGroup(COMM, [torch.zeros(numel, device=cuda)])
+
+
+@pytest.mark.parametrize("numel", [5, 1_003])
+def test_gather_copies_every_ranks_range_into_every_buffer(cuda: torch.device, numel: int) -> None:
+    """Uneven ranges (the last rank's the longest): after two gathers every rank's buffer holds each rank's range
+    as that rank wrote it, bitwise."""
+    bounds = [rank * (numel // SIZE) for rank in range(SIZE)] + [numel]
+    buffer = torch.full((numel,), -1.0, dtype=torch.float64, device=cuda)
+    group = PeerDeviceGroup(COMM, [buffer])
+    try:
+        for round_ in range(2):
+            want = torch.cat([per_rank(bounds[r + 1] - bounds[r], round_, r, torch.float64) for r in range(SIZE)])
+            buffer[bounds[RANK] : bounds[RANK + 1]].copy_(want[bounds[RANK] : bounds[RANK + 1]])
+            group.gather(0, bounds)
+            assert torch.equal(buffer.cpu(), want), f"round {round_}"
+    finally:
+        group.close()

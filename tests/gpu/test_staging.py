@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from mpistrategy.comm.buffers import cuda_aware
-from mpistrategy.comm.cuda_ipc import VARIABLE as CUDA_IPC
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from tests.gpu.test_training import AdamWRegressor
 from tests.strategy.helpers import QUIET, RANK, SIZE, assert_same_on_all_ranks, flat_parameters, loader, regression_data
@@ -50,16 +49,6 @@ def train(device: torch.device, callbacks: list[L.Callback] | None = None) -> tu
     )
     trainer.fit(model, loader(regression_data(SIZE * PER_RANK_BATCH * STEPS), PER_RANK_BATCH))
     return flat_parameters(model).cpu(), strategy
-
-
-PATHS = {"peer device memory": "1", "host mirrors": "0"}
-
-
-@pytest.fixture(params=list(PATHS))
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which way CUDA buckets are averaged: on the shared GPU through each other's memory, or through host mirrors."""
-    monkeypatch.setenv(CUDA_IPC, PATHS[request.param])
-    return str(request.param)
 
 
 @pytest.mark.mpi(ranks=(1, 2, 3), timeout=300)

@@ -116,9 +116,10 @@ def test_mpi_ad_on_the_device_equals_one_process_with_the_whole_batch(precision:
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=300)
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
-def test_sharded_optimizer_state_on_the_device_equals_one_process(shard: str, device: torch.device) -> None:
-    """ZeRO stages 1 and 2 with the model on the device: float64 parameters to 1e-10, state on the device while
-    training (Lightning's teardown moves optimizer state to the CPU)."""
+def test_sharded_optimizer_state_on_the_device_equals_one_process(shard: str, device: torch.device, path: str) -> None:
+    """ZeRO stages 1 and 2 with the model on the device, the shards gathered through the peers' device memory or
+    through host memory: float64 parameters to 1e-10, state on the device while training (Lightning's teardown
+    moves optimizer state to the CPU)."""
     model = AdamWRegressor(mlp(seed=4).double())
     state_devices = StateDevices()
     fit(device, MPIADStrategy(shard=shard), model, callbacks=[state_devices])

@@ -26,6 +26,10 @@ buckets, fewer waits for the other ranks); otherwise the layout stays, as compre
 The segment is freed when the buckets are rebuilt and by :meth:`GradientReducer.remove`, after the gradients in it
 are copied out.
 
+CUDA buckets (:mod:`~mpistrategy.strategy.reducer.peer_sums`, :mod:`~mpistrategy.strategy.reducer.staging`): where
+every rank shares one GPU and the aggregator is the mean, the buckets are averaged in each other's device memory;
+elsewhere, where MPI cannot read device memory, each goes through a page-locked host mirror.
+
 The pass (:mod:`~mpistrategy.strategy.reducer.gradient_reducer`): buckets start in index order as their gradients
 land (:mod:`~mpistrategy.strategy.reducer.launch`), the ranks exchange which parameters they used
 (:mod:`~mpistrategy.strategy.reducer.usage`), and the optimizers' ``zero_grad`` zeroes the buckets in place

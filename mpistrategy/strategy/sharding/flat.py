@@ -6,6 +6,10 @@ The parameters of a space (one optimizer's parameters of one dtype and device, s
 parameters. Each piece of this rank's shard is a parameter of its own (an ``nn.Parameter`` over its elements of the
 buffer): the optimizer steps the pieces, which updates the model's parameters where they lie. A parameter keeps
 its shape, dtype and device; its memory becomes contiguous.
+
+Where every rank of the group shares one GPU, each rank copies the others' shards from their buffers on the device
+(:class:`~mpistrategy.comm.cuda_ipc.PeerDeviceGroup`); elsewhere MPI gathers them, through host memory where it
+cannot address the device.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from mpistrategy.collectives._layout import offsets
 from mpistrategy.comm.buffers import mpi_buffer, needs_staging
+from mpistrategy.comm.cuda_ipc import PeerDeviceGroup, share_one_gpu
 from mpistrategy.strategy.sharding.layout import Piece, shard_bounds, shard_pieces
 
 
@@ -45,6 +50,8 @@ class FlatParameters:
         self.pieces: list[Piece] = shard_pieces(self.sizes, comm.Get_size(), comm.Get_rank())
         self.tensors = [nn.Parameter(self.flat[p.offset : p.offset + p.numel]) for p in self.pieces]
         self._host: torch.Tensor | None = None
+        on_one_gpu = comm.Get_size() > 1 and share_one_gpu(comm, first.device)
+        self._peers = PeerDeviceGroup(comm, [self.flat]) if on_one_gpu else None
 
     @property
     def shard(self) -> torch.Tensor:
@@ -56,6 +63,9 @@ class FlatParameters:
         """Every rank's shard into every rank's buffer, in place (collective over the group): after each rank
         updated its pieces, all parameters hold the updated values."""
         if self.comm.Get_size() == 1:
+            return
+        if self._peers is not None:
+            self._peers.gather(0, self.bounds)
             return
         counts = [high - low for low, high in zip(self.bounds, self.bounds[1:], strict=False)]
         target = self._staged() if needs_staging(self.flat) else self.flat
@@ -72,3 +82,9 @@ class FlatParameters:
         low, high = self.bounds[rank], self.bounds[rank + 1]
         self._host[low:high].copy_(self.flat[low:high])
         return self._host
+
+    def release(self) -> None:
+        """Unmap the peers' buffers (collective over the group); later allgathers go through MPI."""
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None

@@ -124,10 +124,14 @@ class ShardedTraining:
         return self.gradients.buffers() if self.gradients is not None else []
 
     def remove(self) -> None:
-        """Remove the gradient hooks and give the optimizers their ``zero_grad`` back. The optimizers keep their
-        pieces (and can still be saved: see :mod:`~mpistrategy.strategy.sharding.checkpoint`)."""
+        """Remove the gradient hooks, give the optimizers their ``zero_grad`` back and unmap the peers' parameter
+        buffers (collective). The optimizers keep their pieces (and can still be saved: see
+        :mod:`~mpistrategy.strategy.sharding.checkpoint`)."""
         if self.gradients is not None:
             self.gradients.remove()
+        for sharded in self.optimizers:
+            for space in sharded.spaces:
+                space.release()
 
 
 def _listed(sharded: ShardedOptimizer | None) -> Iterable[ShardedOptimizer]:
