@@ -1,7 +1,9 @@
 """Averaging a model's state over ranks: the parameters that train and the floating-point buffers.
 
 The averaged state ``x`` is every parameter that requires a gradient (of every parameter group) and every
-floating-point buffer (BatchNorm running statistics), packed into flat host buffers, one per dtype. The result is
+floating-point buffer (BatchNorm running statistics), packed into flat host buffers, one per dtype (a state on a
+GPU is concatenated there and crosses the bus in one transfer each way, through page-locked memory where the flats
+are private). The result is
 the mean over all ``P`` ranks, ``x_bar = (1/P) sum_r x_r``, by one of two routes:
 
 - ``"world"``: one allreduce (sum) over all ranks, then ``/ P``;
@@ -58,9 +60,20 @@ def averaged_tensors(module: nn.Module) -> list[torch.Tensor]:
     return params + buffers
 
 
-def _host_pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` as flat host tensors, in order (what a packed flat buffer concatenates)."""
-    return [t.detach().reshape(-1).to("cpu") for t in tensors]
+def _cuda_device(tensors: list[torch.Tensor]) -> torch.device | None:
+    """The CUDA device holding every tensor of ``tensors``, if there is one (``None``: on the host, or spread)."""
+    device = tensors[0].device
+    return device if device.type == "cuda" and all(t.device == device for t in tensors) else None
+
+
+def _pack_group(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """``flat`` (host) <- ``tensors`` flattened and concatenated. Tensors on one GPU are concatenated there and
+    copied to the host in one transfer (page-locked ``flat``: at the bus's speed), not one per tensor."""
+    pieces = [t.detach().reshape(-1) for t in tensors]
+    if _cuda_device(tensors) is None:
+        torch.cat([piece.to("cpu") for piece in pieces], out=flat)
+    else:
+        flat.copy_(torch.cat(pieces))
 
 
 @dataclass
@@ -150,12 +163,17 @@ class ModelAverager:
         return [torch.zeros(sum(t.numel() for t in tensors), dtype=dtype) for dtype, tensors in self._groups.items()]
 
     def pack(self) -> list[torch.Tensor]:
-        """The current state as flat host buffers, one per dtype (copies)."""
-        return [torch.cat(_host_pieces(tensors)) for tensors in self._groups.values()]
+        """The current state as flat host buffers, one per dtype (copies; page-locked for a state on a GPU)."""
+        flats = [
+            torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=_cuda_device(tensors) is not None)
+            for dtype, tensors in self._groups.items()
+        ]
+        self._pack_into(flats)
+        return flats
 
     def _pack_into(self, flats: list[torch.Tensor]) -> None:
         for tensors, flat in zip(self._groups.values(), flats, strict=True):
-            torch.cat(_host_pieces(tensors), out=flat)
+            _pack_group(tensors, flat)
 
     @property
     def _shares_node_memory(self) -> bool:
@@ -325,10 +343,13 @@ class ModelAverager:
     def _apply(self, flats: list[torch.Tensor], update: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
         with torch.no_grad():
             for tensors, flat in zip(self._groups.values(), flats, strict=True):
+                device = _cuda_device(tensors)
+                # a state on one GPU: one transfer there, then the updates on the device
+                source = flat if device is None else flat.to(device, non_blocking=flat.is_pinned())
                 offset = 0
                 for tensor in tensors:
                     count = tensor.numel()
-                    mean = flat[offset : offset + count].view_as(tensor).to(tensor.device, non_blocking=True)
+                    mean = source[offset : offset + count].view_as(tensor).to(tensor.device, non_blocking=True)
                     update(tensor.data, mean)
                     offset += count
 
