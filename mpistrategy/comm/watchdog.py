@@ -37,6 +37,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpistrategy.comm import calls, flight
+from mpistrategy.comm.abort import abort_job
 
 #: the exit code of a rank ended by the watchdog (EX_PROTOCOL of sysexits.h is 76; 86 is mpistrategy's own)
 STALL_EXIT_CODE = 86
@@ -255,7 +256,7 @@ class Watchdog:
                 # that heard the same ranks) ends the ranks that could not answer with MPI_Abort: a launcher on a
                 # cluster does not end the ranks on other nodes when one exits by itself.
                 time.sleep(_ANSWER_SECONDS)
-                self.comm.Abort(STALL_EXIT_CODE)
+                abort_job(self.comm, STALL_EXIT_CODE, _exit_process)
             _exit_process(STALL_EXIT_CODE)
 
     def _wait_until_written(self, states: dict[int, dict[str, Any]]) -> None:

@@ -41,6 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrategy.comm import flight
+from mpistrategy.comm.abort import abort_job
 
 # The launcher forwards each rank's output through a pipe and stops forwarding when Abort tears the job down:
 # without a pause the traceback just written could be lost (seen once in ~40 runs of the failure tests).
@@ -91,10 +92,7 @@ def abort(error: BaseException, tb: TracebackType | None = None, code: int = 1) 
         _write_stderr(format_failure(error, tb))
         flight.dump(f"abort: {type(error).__name__}: {error}")
         time.sleep(_OUTPUT_GRACE_SECONDS)
-        MPI.COMM_WORLD.Abort(code)
-        # MPICH's MPI_Abort can return before the launcher kills this process: end it here, or the caller would
-        # go on (and print the same traceback again).
-        _exit_process(code)
+        abort_job(MPI.COMM_WORLD, code, _exit_process)
 
 
 def _write_stderr(text: str) -> None:
