@@ -1,12 +1,11 @@
 """Ending the whole MPI job from one rank, also where ``MPI_Abort`` does not end this process.
 
-``MPI_Abort`` makes the launcher (``mpiexec``, ``srun``) end every rank. Two ways it can fail to end the caller:
-MPICH's returns before the launcher has killed the process, and, called from one thread while another waits inside
-MPI, it has stayed inside the call after printing its message, with the job left running (seen in full test runs on
-a 2-core machine, where a stalled job then ran until it was killed). So :func:`abort_job` calls ``MPI_Abort``
-without holding Python's global lock (through ``ctypes``; mpi4py's ``Comm.Abort`` holds it) while a timer thread
-stands by: if the process still runs :data:`ABORT_GRACE_SECONDS` later, it ends itself with the same exit code, and
-a launcher that sees a rank end without ``MPI_Finalize`` ends the others.
+``MPI_Abort`` makes the launcher (``mpiexec``, ``srun``) end every rank, but MPICH's can return before the launcher
+has killed the caller, and what it does when called from one thread while another waits inside MPI is up to the
+implementation. So :func:`abort_job` calls ``MPI_Abort`` without holding Python's global lock (through ``ctypes``;
+mpi4py's ``Comm.Abort`` holds it) while a timer thread stands by: if the process still runs
+:data:`ABORT_GRACE_SECONDS` later, it ends itself with the same exit code, and a launcher that sees a rank end
+without ``MPI_Finalize`` ends the others.
 """
 
 from __future__ import annotations
