@@ -54,12 +54,23 @@ def enabled() -> bool:
     raise ValueError(f"{VARIABLE}={value!r} is not a setting; set it to 1 (the default) or 0 (off).")
 
 
-def gpu_identity(device: torch.device) -> tuple[str, int] | None:
-    """The UUID and index of ``device``'s GPU (``None`` off CUDA): ranks on one GPU have the same."""
+def gpu_uuid(device: torch.device) -> str | None:
+    """The UUID of ``device``'s GPU (``None`` off CUDA): ranks on one GPU have the same, whatever index they see it
+    under."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return str(torch.cuda.get_device_properties(index).uuid), index
+    return str(torch.cuda.get_device_properties(_index(device)).uuid)
+
+
+def gpu_identity(device: torch.device) -> tuple[str, int] | None:
+    """The UUID and index of ``device``'s GPU (``None`` off CUDA): ranks that see one GPU under one index have the
+    same."""
+    uuid = gpu_uuid(device)
+    return None if uuid is None else (uuid, _index(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def chunk_bounds(numel: int, ranks: int) -> list[tuple[int, int]]:
@@ -169,11 +180,7 @@ class PeerDeviceGroup:
         if stop > start:
             self._reduce([part[start:stop] for part in parts], average)
         self._fence(1, stream)
-        own = parts[self.rank]
-        for rank, (begin, end) in enumerate(bounds):
-            if rank != self.rank and end > begin:
-                own[begin:end].copy_(parts[rank][begin:end])
-        self._fence(2, stream)
+        self._copy_others(parts, bounds, stream)
 
     def gather(self, index: int, bounds: Sequence[int]) -> None:
         """Queue, on the current stream, an allgather in place: rank ``r``'s elements ``[bounds[r], bounds[r+1])`` of
@@ -184,8 +191,15 @@ class PeerDeviceGroup:
         if self.size == 1:
             return
         self._fence(0, stream)
+        self._copy_others(parts, list(zip(bounds, bounds[1:], strict=False)), stream)
+
+    def _copy_others(
+        self, parts: list[torch.Tensor], ranges: Sequence[tuple[int, int]], stream: torch.cuda.Stream
+    ) -> None:
+        """Rank ``r``'s range ``ranges[r]`` from its buffer into this rank's, for every other rank; then the fence
+        after which no rank reads another's buffer."""
         own = parts[self.rank]
-        for rank, (begin, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        for rank, (begin, end) in enumerate(ranges):
             if rank != self.rank and end > begin:
                 own[begin:end].copy_(parts[rank][begin:end])
         self._fence(2, stream)

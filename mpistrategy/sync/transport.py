@@ -36,6 +36,7 @@ from mpistrategy.collectives.handles import Pending
 from mpistrategy.collectives.reduction import iallreduce
 from mpistrategy.comm.buffers import mpi_buffer, needs_staging
 from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.cuda_ipc import gpu_uuid
 from mpistrategy.comm.topology import Topology
 
 NODE_TRANSPORTS = ("auto", "mpi", "gloo", "nccl")
@@ -170,13 +171,6 @@ def choose_node_transport(gpus: list[str | None], nccl_available: bool) -> str:
     return "nccl" if nccl_available and len(gpus) > 1 and own_gpus else "mpi"
 
 
-def _gpu_identity(device: torch.device) -> str | None:
-    """The UUID of ``device``'s GPU (``None`` off CUDA): two ranks on one GPU have the same."""
-    if device.type != "cuda":
-        return None
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
 def _nccl_available() -> bool:
     import torch.distributed as dist
 
@@ -187,7 +181,7 @@ def node_transport(topology: Topology, kind: str, device: torch.device | None = 
     """The node-local transport ``kind`` (one of :data:`NODE_TRANSPORTS`) for this process's node (collective);
     ``device`` is where the model lives (for ``"auto"``)."""
     if kind == "auto":
-        gpus = topology.node_comm.allgather(_gpu_identity(device or torch.device("cpu")))
+        gpus = topology.node_comm.allgather(gpu_uuid(device or torch.device("cpu")))
         kind = choose_node_transport(gpus, _nccl_available())
     if kind == "mpi":
         return MPINodeTransport(topology.node_gradients)
