@@ -35,7 +35,7 @@ def run(op: Op, x: torch.Tensor, device: torch.device, seed: int) -> tuple[torch
     """``op`` on ``x`` moved to ``device``, then backward with a per-rank cotangent; (output, input grad) on the CPU
     (``None`` for a placeholder output, and for the gradient of an input the op does not read, such as a
     broadcast's on a rank other than the root)."""
-    leaf = x.to(device).requires_grad_(True)
+    leaf = x.detach().to(device).requires_grad_(True)  # a fresh leaf: on the CPU, .to returns x itself
     out = op(leaf)
     if isinstance(out, Placeholder):
         out.backward()

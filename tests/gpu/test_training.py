@@ -52,7 +52,8 @@ class AdamWRegressor(L.LightningModule):
 
 class Autocast(nn.Module):
     """``net`` whose forward runs under autocast to ``dtype`` (as Lightning's mixed precision runs the step); a
-    fresh autocast region per forward, so no cast of an earlier step's weights is reused."""
+    fresh autocast region per forward, so no cast of an earlier step's weights is reused. The output comes back in
+    the input's dtype: autocast computes the MSE in float32, as it does inside Lightning's step."""
 
     def __init__(self, net: nn.Module, dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -60,7 +61,7 @@ class Autocast(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-            return self.net(x)
+            return self.net(x).to(x.dtype)
 
 
 def fit(
@@ -121,25 +122,28 @@ def test_sharded_optimizer_state_on_the_device_equals_one_process(shard: str, de
     through host memory: float64 parameters to 1e-10, state on the device while training (Lightning's teardown
     moves optimizer state to the CPU)."""
     model = AdamWRegressor(mlp(seed=4).double())
-    state_devices = StateDevices()
-    fit(device, MPIADStrategy(shard=shard), model, callbacks=[state_devices])
+    devices = Devices()
+    fit(device, MPIADStrategy(shard=shard), model, callbacks=[devices])
     got = flat_parameters(model).cpu()
     assert_same_on_all_ranks(got, "parameters")
     want = one_process(device, torch.float64)
     distance_moved(want, torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    assert state_devices.kinds == {device.type}
+    assert devices.state == {device.type}
 
 
-class StateDevices(L.Callback):
-    """The device types of the optimizer's state tensors at the end of every training step."""
+class Devices(L.Callback):
+    """The device types of the parameters and of the optimizer's state tensors at the end of every training step
+    (Lightning's teardown moves both to the CPU after ``fit``)."""
 
     def __init__(self) -> None:
-        self.kinds: set[str] = set()
+        self.parameters: set[str] = set()
+        self.state: set[str] = set()
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.parameters |= {p.device.type for p in pl_module.parameters()}
         state = trainer.optimizers[0].state
-        self.kinds |= {t.device.type for entry in state.values() for t in entry.values() if t.ndim}
+        self.state |= {t.device.type for entry in state.values() for t in entry.values() if t.ndim}
 
 
 SYNC_MODES = {
@@ -154,12 +158,14 @@ SYNC_MODES = {
 @pytest.mark.mpi(ranks=(2,), timeout=300)
 @pytest.mark.parametrize("mode", sorted(SYNC_MODES))
 def test_every_sync_mode_trains_on_the_device(mode: str, device: torch.device) -> None:
-    """Two (virtual) nodes of one rank: each mode moves the parameters, keeps them finite and on the device; the
-    modes that average every step, or whose period ends with the last step, leave every rank the same model."""
+    """Two (virtual) nodes of one rank: each mode moves the parameters, keeps them and the optimizer state on the
+    device while training and finite; the modes that average every step, or whose period ends with the last step,
+    leave every rank the same model."""
     model = AdamWRegressor(mlp(seed=5))
     strategy = MPIADStrategy(sync=SYNC_MODES[mode](), ranks_per_node=1)
-    fit(device, strategy, model)
-    assert all(p.device.type == device.type for p in model.parameters())
+    devices = Devices()
+    fit(device, strategy, model, callbacks=[devices])
+    assert devices.parameters == devices.state == {device.type}
     got = flat_parameters(model).cpu()
     assert torch.isfinite(got).all()
     assert not torch.equal(got, flat_parameters(mlp(seed=5))), "training did not move the parameters"
