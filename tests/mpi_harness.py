@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -56,6 +57,10 @@ _INNER_RUN_PREFIX = "MPISTRATEGY_TEST_"
 _POLL_SECONDS = 0.2
 _KILL_GRACE_SECONDS = 5.0
 _TAIL_LINES = 40
+#: how far into a test's timeout its ranks write their stacks
+_STACKS_AT = 0.9
+#: frames of pytest itself, left out of those stacks
+_PYTEST_FRAMES = ("/_pytest/", "/pluggy/", "/pytest/__main__.py", "<frozen runpy>")
 
 Record = dict[str, Any]
 When = Literal["setup", "call", "teardown"]
@@ -220,6 +225,19 @@ class _RankRecorder:
         report_dir = os.environ.get(REPORT_DIR_ENV)
         path = None if report_dir is None else Path(report_dir) / f"rank{self._comm.rank}.jsonl"
         self._file = None if path is None else path.open("a", encoding="utf-8", buffering=1)
+        self._stacks = None if path is None else path.with_suffix(".stacks").open("w", encoding="utf-8")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Any:
+        """Write every thread's stack to ``rank<r>.stacks`` if the test is still running shortly before its
+        timeout, so that the outer run can say where each rank hung."""
+        if self._stacks is not None:
+            self._stacks.seek(0)  # only the stacks of the test that hangs
+            self._stacks.truncate()
+            faulthandler.dump_traceback_later(_STACKS_AT * _timeout(item), file=self._stacks)
+        yield
+        if self._stacks is not None:
+            faulthandler.cancel_dump_traceback_later()
 
     def _write(self, **record: Any) -> None:
         if self._file is not None:
@@ -252,9 +270,11 @@ class _RankRecorder:
             self._comm.Abort(1)
 
     def pytest_unconfigure(self) -> None:
-        """Close this rank's record file."""
+        """Close this rank's record files."""
         if self._file is not None:
             self._file.close()
+        if self._stacks is not None:
+            self._stacks.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,7 +466,8 @@ class _Job:
             log.poll()
         what = overrun or f"the MPI job exited with code {proc.returncode}"
         where = "\n".join(f"  rank {rank}: {log.where()}" for rank, log in enumerate(self._logs))
-        return f"{what} while the ranks were:\n{where}\noutput tail:\n{_tail(output)}"
+        stacks = "".join(_stacks(log.path.with_suffix(".stacks"), rank) for rank, log in enumerate(self._logs))
+        return f"{what} while the ranks were:\n{where}\noutput tail:\n{_tail(output)}{stacks if overrun else ''}"
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> str | None:
         """Follow the rank logs until mpiexec exits (None) or a timeout expires (what timed out)."""
@@ -565,3 +586,13 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 def _tail(path: Path) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-_TAIL_LINES:]) or "(no output)"
+
+
+def _stacks(path: Path, rank: int) -> str:
+    """The stacks ``rank`` wrote when its test neared its timeout (see ``_RankRecorder``), if it wrote them."""
+    try:
+        text = path.read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return ""
+    lines = [line for line in text.splitlines() if not any(frame in line for frame in _PYTEST_FRAMES)]
+    return f"\nrank {rank}'s threads {_STACKS_AT:.0%} into the test's timeout:\n" + "\n".join(lines) if text else ""

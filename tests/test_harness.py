@@ -6,6 +6,7 @@ deliberately broken cases in ``tests/harness_cases/`` and check what it reports.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -113,6 +114,9 @@ def test_hang_is_killed_at_the_marker_timeout(case_run: CaseRun) -> None:
     assert f"rank 0: in {nodeid} (call)" in text
     assert f"rank 1: in {nodeid} (call)" in text
     assert "output tail:" in text  # "after 10 s": the marker's timeout fired, not the job's 10 s + 30 s limit
+    for rank in (0, 1):  # each rank's stack, written shortly before the timeout, shows where it waits
+        stacks = text.split(f"rank {rank}'s threads 90% into the test's timeout:")[1].split("rank 1's threads")[0]
+        assert re.search(r'case_hang\.py", line 10 in test_deadlocks', stacks), stacks
 
 
 def test_rank_selection_and_ids() -> None:
