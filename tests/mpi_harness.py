@@ -517,6 +517,7 @@ class _Launcher:
     def __init__(self, config: pytest.Config) -> None:
         self._config = config
         self._results: dict[str, list[_Phase]] = {}
+        self._jobs: list[tuple[float, str, int, int]] = []  # seconds, directory, ranks, tests
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
@@ -538,6 +539,15 @@ class _Launcher:
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """With ``--durations``, the MPI jobs' wall times (start-up included, which the tests' durations leave
+        out), slowest first."""
+        if self._config.option.durations is None or not self._jobs:
+            return
+        terminalreporter.write_sep("=", f"MPI jobs: {len(self._jobs)}, {sum(job[0] for job in self._jobs):.0f} s")
+        for seconds, where, nranks, tests in sorted(self._jobs, reverse=True):
+            terminalreporter.write_line(f"{seconds:7.1f}s  {where} at {nranks} ranks, {tests} tests")
+
     def _run_batch(self, first: pytest.Item, nranks: int) -> None:
         """Run all pending items of the modules in ``first``'s directory at ``nranks``, rerunning interrupted
         ones."""
@@ -551,9 +561,11 @@ class _Launcher:
         ]
         while pending:
             job = _Job(self._config, nranks, pending)
+            start = time.monotonic()
             decided = job.run()
+            where = str(first.path.parent.relative_to(self._config.rootpath))
+            self._jobs.append((time.monotonic() - start, where, nranks, len(pending)))
             if job.stalled and decided:
-                where = first.path.parent.name
                 warnings.warn(f"{where}/ at {nranks} ranks: {job.end}", pytest.PytestWarning, stacklevel=1)
             decided = decided or {item.nodeid: _merge([{}] * nranks, job.end) for item in pending}
             self._results.update(decided)
