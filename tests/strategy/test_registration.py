@@ -157,12 +157,10 @@ FIRST_IMPORTS = (
     "from mpistrategy.strategy.mpi_ad import MPIADStrategy",
     "from mpistrategy.strategy.environment import MPIEnvironment",
     "from mpistrategy.strategy.pytorch_lightning import MPIADStrategy",
-    "from mpistrategy.strategy import MPIADStrategy",
     "from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy",
     "from mpistrategy.strategy.base import MPIStrategyBase",
     "import lightning",
     "import pytorch_lightning",
-    "import pytorch_lightning, lightning.pytorch",
     "import lightning.fabric",
 )
 
