@@ -4,7 +4,6 @@ output, exit codes and timing): the marker that keeps them out of MPI jobs, and 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from typing import IO
 import pytest
 
 from mpistrategy.launch import mpiexec_command
+from tests import job_processes
 from tests.mpi_harness import NRANKS_ENV, clean_environ
 
 ROOT = Path(__file__).parents[1]
@@ -31,12 +31,13 @@ def run_mpi_job(script: Path, ranks: int, *args: str, timeout: float, **env: str
     """``mpiexec -n ranks python script *args`` in the environment pytest started with (plus ``env``, with the
     repository importable): its exit code, its output (stdout, then stderr) and when ``mpiexec`` exited.
 
-    The job runs in a session of its own, its output goes to files (a process that outlives ``mpiexec`` cannot hold
-    the test up by keeping a pipe open). A job still running after ``timeout`` seconds fails the test with the
-    processes of its session and what each waits in; processes left after ``mpiexec`` exited are killed with a
-    warning that lists them."""
+    The job's output goes to files (a process that outlives ``mpiexec`` cannot hold the test up by keeping a pipe
+    open). A job still running after ``timeout`` seconds fails the test with its processes (:mod:`tests.
+    job_processes`: each with what it waits in); processes left after ``mpiexec`` exited are killed with a warning
+    that lists them."""
     environ = {**clean_environ(), **env}
     environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
+    marker = job_processes.mark(environ)
     command = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(script), *args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
@@ -45,16 +46,17 @@ def run_mpi_job(script: Path, ranks: int, *args: str, timeout: float, **env: str
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            processes = _session_processes(proc.pid)
-            _kill_session(proc)
+            processes = job_processes.listing(marker)
+            job_processes.kill(marker)
+            proc.wait()
             pytest.fail(
                 f"the job hung (killed after {timeout} s); its processes:\n{processes}\n{_read(out, err)[-4000:]}"
             )
         ended = time.time()
-        left = _session_processes(proc.pid)
-        if left.count("\n") > 0:
+        left = job_processes.listing(marker)
+        if left:
+            job_processes.kill(marker)
             warnings.warn(f"processes outlived mpiexec (killed):\n{left}", stacklevel=2)
-        _kill_session(proc)
         return proc.returncode, _read(out, err), ended
 
 
@@ -64,22 +66,6 @@ def _read(*files: IO[bytes]) -> str:
         file.seek(0)
         text.append(file.read().decode(errors="replace"))
     return "".join(text)
-
-
-def _session_processes(session: int) -> str:
-    """The processes of ``session`` (header line first): pid, parent, state, the kernel function each waits in."""
-    listing = subprocess.run(
-        ["ps", "-o", "pid,ppid,stat,etimes,wchan:24,args", "--sid", str(session)], capture_output=True, text=True
-    )
-    return listing.stdout.strip()
-
-
-def _kill_session(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def marked_line(script: Path, marker: str) -> str:

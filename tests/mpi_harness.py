@@ -37,7 +37,6 @@ import dataclasses
 import faulthandler
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+
+from tests import job_processes
 
 NRANKS_ENV = "MPISTRATEGY_TEST_NRANKS"
 REPORT_DIR_ENV = "MPISTRATEGY_TEST_REPORT_DIR"
@@ -442,6 +443,7 @@ class _Job:
         env.setdefault("OMP_NUM_THREADS", "1")
         env[NRANKS_ENV] = str(self._nranks)
         env[REPORT_DIR_ENV] = str(report_dir)
+        marker = job_processes.mark(env)
         cmd = self._command()
         output = report_dir / "output.log"
         with output.open("wb") as out:
@@ -461,7 +463,7 @@ class _Job:
                 overrun = self._watch(proc)
             finally:
                 if proc.poll() is None:
-                    _kill(proc)
+                    _kill(proc, marker)
         for log in self._logs:
             log.poll()
         what = overrun or f"the MPI job exited with code {proc.returncode}"
@@ -588,11 +590,11 @@ def _wait(proc: subprocess.Popen[bytes], seconds: float) -> int | None:
         return None
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the job's process group (mpiexec forwards it to the ranks), then SIGKILL it."""
-    os.killpg(proc.pid, signal.SIGTERM)
+def _kill(proc: subprocess.Popen[bytes], marker: str) -> None:
+    """SIGTERM mpiexec (it forwards the signal to the ranks), then SIGKILL every process of the job."""
+    proc.terminate()
     if _wait(proc, _KILL_GRACE_SECONDS) is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        job_processes.kill(marker)
         proc.wait()
 
 

@@ -15,6 +15,11 @@ some rank did not answer, the lowest rank that answered first waits for the othe
 ``MPI_Abort`` with that code, which ends the ranks that could not answer (a launcher on a cluster does not end the
 ranks on other nodes when one exits).
 
+A rank that ends its script waits at exit (an ``atexit`` hook that runs before ``MPI_Finalize``) until every rank
+has ended its own, its watchdog still answering: a rank that finished while another waits in a collective is named
+in the report as ended, and every rank exits by itself, instead of one sitting silent in ``MPI_Finalize`` until
+``MPI_Abort`` reaches it. The wait at exit never raises an alarm of its own (ranks end at different times).
+
 Settings: ``MPISTRATEGY_STALL_TIMEOUT`` (seconds, default :data:`DEFAULT_TIMEOUT`; 0 turns the watchdog off) and
 ``MPISTRATEGY_STALL_ACTION`` (``"abort"``, the default, or ``"warn"``), or :func:`set_stall_timeout` in Python (on
 every rank alike). A rank whose watchdog thread cannot run (a C extension holding the GIL, a dead process) does not
@@ -117,6 +122,8 @@ class Watchdog:
         self._since = 0.0
         self._reported_key = -1
         self._sends: list[MPI.Request] = []
+        self._pid = os.getpid()
+        self._ended: float | None = None  # when this rank's script ended (time.time())
         self._thread = threading.Thread(target=self._run, name="mpistrategy-watchdog", daemon=True)
         self._thread.start()
 
@@ -128,6 +135,22 @@ class Watchdog:
             if not request.Test():
                 request.Cancel()
         self._sends = []
+
+    def wait_for_the_others(self) -> None:
+        """At the end of the script: wait until every rank has ended its own, answering the others' watchdogs
+        meanwhile (a rank whose watchdog reports a stall ends this process). Only in the process that started
+        the watchdog (not in a forked child), while MPI runs."""
+        if os.getpid() != self._pid or not MPI.Is_initialized() or MPI.Is_finalized():
+            return
+        self._ended = time.time()
+        try:
+            request = self.comm.Ibarrier()
+            pause = 0.001
+            while not request.Test():
+                time.sleep(pause)
+                pause = min(0.05, 2 * pause)
+        except MPI.Exception:  # a rank that is gone: MPI_Finalize and the launcher take it from here
+            pass
 
     def _interval(self) -> float:
         return 1.0 if _timeout <= 0 else min(1.0, max(0.05, _timeout / 10))
@@ -153,6 +176,8 @@ class Watchdog:
         The threads' frames are looked at only once no collective was entered for a whole poll interval: a frame
         object held here keeps its locals (tensors) alive after the function returns, which must not happen while
         the program runs (it could not free a shared-memory window, for one)."""
+        if self._ended is not None:
+            return None
         key = calls.entries()
         if key != self._polled_key:
             self._polled_key = key
@@ -217,6 +242,7 @@ class Watchdog:
             "pid": os.getpid(),
             "time": time.time(),
             "inside": any(_inside_package(frame) for frame in frames.values()),
+            "ended": self._ended,
             "current": _call_state(current),
             "last": _call_state(calls.last),
             "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
@@ -349,7 +375,11 @@ def format_report(
             continue
         where = f"{state['host']}, pid {state['pid']}"
         current, last = state["current"], state["last"]
-        if state["inside"] and current is not None:
+        if state.get("ended") is not None:
+            text = f"ended its script {state['time'] - state['ended']:.1f} s ago, waiting at exit for the others"
+            if last is not None:
+                text += f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
+        elif state["inside"] and current is not None:
             text = f"waiting {_ago(state, current):.1f} s in {current['call']} #{current['count']} at {current['site']}"
         elif state["inside"]:
             text = f"waiting in {state['where']}"
@@ -389,6 +419,8 @@ def start(comm: MPI.Intracomm) -> None:
 
 @atexit.register
 def _stop() -> None:
-    """Registered after mpi4py's finaliser, so it runs first: the thread has left MPI when MPI is finalised."""
+    """Registered after mpi4py's finaliser, so it runs first: every rank has ended its script, and the thread has
+    left MPI, when MPI is finalised."""
     if _watchdog is not None:
+        _watchdog.wait_for_the_others()
         _watchdog.stop()

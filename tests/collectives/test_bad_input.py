@@ -3,11 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,8 +12,9 @@ import mpistrategy as ms
 from mpistrategy import CommunicationError
 from mpistrategy.collectives import _p2p_wire, p2p
 from tests.collectives.bad_inputs import CASES, STARTED, UNCAUGHT, culprit, left, rank, right, size
+from tests.external_job import run_mpi_job
 
-REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "bad_inputs.py"
 UNCAUGHT_SECONDS = 30.0
 
 
@@ -93,26 +89,12 @@ def test_uncaught_bad_input_ends_the_job(name: str, nranks: int) -> None:
     """The same mistake in a script that catches nothing: every rank that raises exits with its traceback, so the
     job ends non-zero within 30 s of the call instead of hanging. Each case at one job size, 2 or 3 ranks in
     turn (every job ends the same way: the ranks that raise exit, mpiexec ends the others)."""
-    from mpistrategy.launch import mpiexec_command
-    from tests.mpi_harness import clean_environ
-
     case = CASES[name]
-    command = [*mpiexec_command(), "-n", str(nranks), sys.executable, "-m", "tests.collectives.bad_inputs", name]
-    job = subprocess.Popen(
-        command, cwd=REPO, env=clean_environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    try:
-        stdout, stderr = job.communicate(timeout=120 + UNCAUGHT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        stdout, stderr = job.communicate()
-    ended = time.time()
-    out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
-    started = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(STARTED)]
-    assert started, f"the job never reached the call:\n{out}\n{err}"
-    assert job.returncode != 0, f"the job ended with 0:\n{err}"
-    assert ended - started[0] < UNCAUGHT_SECONDS, f"the job ran {ended - started[0]:.0f} s after the call:\n{err}"
-    assert "Traceback (most recent call last)" in err
-    assert f"{case.error.__name__}: {case.op}" in err, err  # the culprit's own error
+    code, output, ended = run_mpi_job(SCRIPT, nranks, name, timeout=120 + UNCAUGHT_SECONDS)
+    started = [float(line.split()[-1]) for line in output.splitlines() if line.startswith(STARTED)]
+    assert started, f"the job never reached the call:\n{output}"
+    assert code != 0, f"the job ended with 0:\n{output}"
+    assert ended - started[0] < UNCAUGHT_SECONDS, f"the job ran {ended - started[0]:.0f} s after the call:\n{output}"
+    assert f"{case.error.__name__}: {case.op}" in output, output  # the culprit's own error
     raisers = 2 if case.pairwise else nranks
-    assert err.count("Traceback (most recent call last)") >= raisers, err
+    assert output.count("Traceback (most recent call last)") >= raisers, output
