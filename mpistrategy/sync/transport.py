@@ -8,12 +8,14 @@ Two kinds, chosen with ``node_transport``:
 - ``"mpi"``: the node's MPI communicator (``Split_type(COMM_TYPE_SHARED)``), whose messages MPI moves
   through shared memory. CUDA tensors are staged through host memory unless MPI is CUDA-aware.
 - ``"gloo"`` / ``"nccl"``: a ``torch.distributed`` process group per node (NCCL for GPUs; gloo on the CPU). Its
-  rendezvous is done over MPI: the node leader makes a private directory in the temporary directory
-  (``tempfile.mkdtemp``: mode 0700, ``$TMPDIR`` else ``/tmp``) and tells the node's ranks its path through the
-  node communicator; the group meets through a ``FileStore`` in it. So users set no ``MASTER_ADDR``, port or
-  torchrun, and no store listens on a port that another user of the node could connect to (to read the peers'
-  addresses, or to write false ones). The directory is removed with the group. The group is a standalone object:
-  it does not initialise torch.distributed's default group.
+  rendezvous is done over MPI: the node leader makes a private file in the temporary directory
+  (``tempfile.mkstemp``: a new file of mode 0600, ``$TMPDIR`` else ``/tmp``) and tells the node's ranks its path
+  through the node communicator; the group meets through a ``FileStore`` on it (which keeps the file's mode). So
+  users set no ``MASTER_ADDR``, port or torchrun, and no store listens on a port that another user of the node
+  could connect to (to read the peers' addresses, or to write false ones). The file goes away with the group: the
+  ``FileStore`` of the last rank to free it removes it (nothing else removes it, so no rank's store can find it
+  gone while it still uses it). The group is a standalone object: it does not initialise torch.distributed's
+  default group.
 
 Both offer the two operations the sync modes need, non-blocking: a sum over the node's ranks in place, and a
 broadcast from one local rank in place. Each returns a :class:`~mpistrategy.aggregation.Work`.
@@ -23,9 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import shutil
 import tempfile
-import weakref
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -121,35 +121,36 @@ def _none() -> None:
 
 
 def _node_process_group(topology: Topology, backend: str, timeout_seconds: float) -> tuple[Any, Any]:
-    """A process group over this node's ranks and its ``FileStore``, in a private directory the leader made and
-    sent by MPI (see the module doc); the leader removes the directory when the store is freed."""
+    """A process group over this node's ranks and its ``FileStore``, on a private file the leader made and sent by
+    MPI (see the module doc)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_seconds)
     node = topology.node_comm
-    directory, problem = "", ""
+    path, problem = "", ""
     if topology.is_leader:
         try:
-            directory = tempfile.mkdtemp(prefix="mpistrategy-rendezvous-")
+            descriptor, path = tempfile.mkstemp(prefix="mpistrategy-rendezvous-")
+            os.close(descriptor)
         except OSError as error:
             problem = f"{type(error).__name__}: {error}"
-    directory, problem = node.bcast((directory, problem), root=0)
+    path, problem = node.bcast((path, problem), root=0)
     if problem:
         raise RuntimeError(
-            f"node_transport={backend!r}: the node leader could not make its rendezvous directory ({problem}); "
+            f"node_transport={backend!r}: the node leader could not make its rendezvous file ({problem}); "
             "set TMPDIR to a writable node-local directory."
         )
-    blind = [rank for rank, sees in enumerate(node.allgather(os.path.isdir(directory))) if not sees]
+    blind = [rank for rank, sees in enumerate(node.allgather(os.path.isfile(path))) if not sees]
     if blind:
+        if topology.is_leader:
+            os.unlink(path)
         raise RuntimeError(
-            f"node_transport={backend!r}: local rank(s) {blind} cannot see the rendezvous directory {directory} "
-            "that the node leader made; set TMPDIR to a node-local directory that every rank of the node sees, or use "
+            f"node_transport={backend!r}: local rank(s) {blind} cannot see the rendezvous file {path} that the "
+            "node leader made; set TMPDIR to a node-local directory that every rank of the node sees, or use "
             "node_transport='mpi'."
         )
-    store = dist.FileStore(os.path.join(directory, "store"), topology.local_size)
+    store = dist.FileStore(path, topology.local_size)
     store.set_timeout(timeout)
-    if topology.is_leader:
-        weakref.finalize(store, shutil.rmtree, directory, True)
     prefixed = dist.PrefixStore(f"mpistrategy/node{topology.node_rank}", store)
     group: Any
     if backend == "gloo":

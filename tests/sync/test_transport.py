@@ -1,5 +1,5 @@
-"""Node transports: what `auto` picks; the torch.distributed transport meets in a directory only this user can open
-and removes afterwards."""
+"""Node transports: what `auto` picks; the torch.distributed transport meets through a file only this user can open,
+which goes away with the group."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import gc
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,24 +19,28 @@ from mpistrategy.sync.transport import MPINodeTransport, choose_node_transport, 
 
 
 @pytest.mark.mpi(ranks=(3,), timeout=120)
-def test_the_gloo_group_meets_in_a_private_directory_that_goes_away_with_it(
+def test_the_gloo_group_meets_through_a_private_file_that_goes_away_with_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The store's file is the user's, mode 0600; once every rank has freed its group, the last rank's store has
+    removed it (each rank frees its group at a different time: no rank may find the file gone while its own store
+    still uses it)."""
     world = MPI.COMM_WORLD
     shared = Path(world.bcast(str(tmp_path), root=0))
-    monkeypatch.setattr(tempfile, "tempdir", str(shared))  # where the leader makes its directory
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))  # where the leader makes its file
     here = topology(ranks_per_node=3)
     transport = node_transport(here, "gloo")
-    (directory,) = [path for path in shared.iterdir() if path.name.startswith("mpistrategy-rendezvous-")]
-    status = directory.stat()
-    assert status.st_uid == os.getuid() and stat.S_IMODE(status.st_mode) == 0o700
+    (store,) = [path for path in shared.iterdir() if path.name.startswith("mpistrategy-rendezvous-")]
+    status = store.stat()
+    assert status.st_uid == os.getuid() and stat.S_IMODE(status.st_mode) == 0o600
     tensor = torch.full((5,), float(here.local_rank + 1), dtype=torch.float64)
     transport.start_sum(tensor).wait()
     assert torch.equal(tensor, torch.full((5,), float(sum(range(1, here.local_size + 1))), dtype=torch.float64))
+    time.sleep(0.2 * here.local_rank)  # the ranks free their groups one after another
     del transport
     gc.collect()
     world.Barrier()
-    assert not directory.exists(), "the rendezvous directory outlived the group"
+    assert list(shared.iterdir()) == [], "the rendezvous file outlived the group"
 
 
 @pytest.mark.parametrize(
