@@ -51,11 +51,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per round and scheme")
     parser.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of every round")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
-    parser.add_argument("--quick", action="store_true", help="2 epochs, 3 rounds of 10 steps")
+    parser.add_argument("--quick", action="store_true", help="1 epoch, 2 rounds of 10 steps")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
     args = parser.parse_args()
     if args.quick:
-        args.epochs, args.steps, args.warmup, args.rounds = 2, 10, 3, 3
+        args.epochs, args.steps, args.warmup, args.rounds = 1, 10, 3, 2
     ensure_mpi(2)
 
     from mpi4py import MPI

@@ -13,7 +13,7 @@ from mpistrategy.aggregation import SCHEMES
 from tests.benchmark_runs import assert_count, assert_finite, assert_positive, png_size, run_benchmark
 
 #: what ``--quick`` runs, at 2 ranks
-QUICK_SETTINGS = {"ranks": 2, "epochs": 2, "rounds": 3, "steps": 10, "warmup": 3}
+QUICK_SETTINGS = {"ranks": 2, "epochs": 1, "rounds": 2, "steps": 10, "warmup": 3}
 ROW_KEYS = {
     "scheme",
     "bytes_per_step",

@@ -155,13 +155,10 @@ def test_lightning_alone_knows_no_mpistrategy_name() -> None:
 FIRST_IMPORTS = (
     "import mpistrategy",
     "from mpistrategy.strategy.mpi_ad import MPIADStrategy",
-    "from mpistrategy.strategy.environment import MPIEnvironment",
     "from mpistrategy.strategy.pytorch_lightning import MPIADStrategy",
     "from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy",
-    "from mpistrategy.strategy.base import MPIStrategyBase",
     "import lightning",
     "import pytorch_lightning",
-    "import lightning.fabric",
 )
 
 
