@@ -32,9 +32,9 @@ def run_mpi_job(script: Path, ranks: int, *args: str, timeout: float, **env: str
     repository importable): its exit code, its output (stdout, then stderr) and when ``mpiexec`` exited.
 
     The job's output goes to files (a process that outlives ``mpiexec`` cannot hold the test up by keeping a pipe
-    open). A job still running after ``timeout`` seconds fails the test with its processes (:mod:`tests.
-    job_processes`: each with what it waits in); processes left after ``mpiexec`` exited are killed with a warning
-    that lists them."""
+    open). A job still running after ``timeout`` seconds fails the test with its processes, each with what it waits
+    in (found by :mod:`tests.job_processes`); processes left after ``mpiexec`` exited are killed with a warning that
+    lists them."""
     environ = {**clean_environ(), **env}
     environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
     marker = job_processes.mark(environ)
