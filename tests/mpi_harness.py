@@ -5,12 +5,11 @@ Mark a test with ``@pytest.mark.mpi`` (rank counts 1-4) or
 in it as usual; the ``mpi_nranks`` fixture holds the rank count.
 
 Outer (plain) run: each mpi test is parametrized per rank count (``test_x[np2]``).
-The first item of a (directory, rank count) pair launches one
-``mpiexec -n N python -m pytest <node ids>`` job for all selected items of that
-pair, whatever module of the directory they are in (each rank's start-up, most of it
-importing torch and Lightning, is paid once per directory, not once per module); each
-module starts from the job's environment variables. The other items report the cached
-results.
+The first item at a rank count launches one ``mpiexec -n N python -m pytest @<node ids>``
+job for all selected items at that rank count, whatever folder and module they are in
+(each rank's start-up, most of it importing torch and Lightning, is paid once per rank
+count, not once per folder or module); each module starts from the job's environment
+variables. The other items report the cached results.
 
 Inner run (``MPISTRATEGY_TEST_NRANKS`` set, on every rank): only the mpi tests at
 that rank count are kept. Each rank appends its outcomes to ``rank<r>.jsonl`` in
@@ -118,8 +117,8 @@ _JOB_ENVIRON = dict(os.environ)
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """In an inner run, every module starts from the environment the job started with: a job runs the modules of
-    a whole folder, and a module's tests may leave variables behind (Lightning's ``seed_everything`` sets
+    """In an inner run, every module starts from the environment the job started with: a job runs many modules,
+    and a module's tests may leave variables behind (Lightning's ``seed_everything`` sets
     ``PL_GLOBAL_SEED``, which seeds every later Trainer's sampler)."""
     global _last_module
     if _inner_nranks() is None or item.path == _last_module:
@@ -426,16 +425,20 @@ class _Job:
             self.end = self._execute(report_dir)
             return self._decide()
 
-    def _command(self) -> list[str]:
+    def _command(self, report_dir: Path) -> list[str]:
+        """``mpiexec -n N python -m pytest ... @<file of node ids>`` (a job's node ids can be more than a command
+        line holds)."""
         from mpistrategy.launch import mpiexec_command  # on use: importing mpistrategy initialises MPI
 
         config = self._config
+        node_ids = report_dir / "node_ids.txt"
+        node_ids.write_text("".join(f"{item.path}::{item.nodeid.split('::', 1)[1]}\n" for item in self._items))
         cmd = [*mpiexec_command(), "-n", str(self._nranks)]
         cmd += [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         cmd += [f"--rootdir={config.rootpath}", f"--tb={config.option.tbstyle}"]
         if config.inipath is not None:
             cmd += ["-c", str(config.inipath)]
-        return cmd + [f"{item.path}::{item.nodeid.split('::', 1)[1]}" for item in self._items]
+        return [*cmd, f"@{node_ids}"]
 
     def _execute(self, report_dir: Path) -> str:
         """Run mpiexec under the watchdog; return a description of how it ended."""
@@ -444,7 +447,7 @@ class _Job:
         env[NRANKS_ENV] = str(self._nranks)
         env[REPORT_DIR_ENV] = str(report_dir)
         marker = job_processes.mark(env)
-        cmd = self._command()
+        cmd = self._command(report_dir)
         output = report_dir / "output.log"
         with output.open("wb") as out:
             try:
@@ -519,7 +522,7 @@ class _Launcher:
     def __init__(self, config: pytest.Config) -> None:
         self._config = config
         self._results: dict[str, list[_Phase]] = {}
-        self._jobs: list[tuple[float, str, int, int]] = []  # seconds, directory, ranks, tests
+        self._jobs: list[tuple[float, int, int, int]] = []  # seconds, ranks, tests, folders
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
@@ -547,28 +550,24 @@ class _Launcher:
         if self._config.option.durations is None or not self._jobs:
             return
         terminalreporter.write_sep("=", f"MPI jobs: {len(self._jobs)}, {sum(job[0] for job in self._jobs):.0f} s")
-        for seconds, where, nranks, tests in sorted(self._jobs, reverse=True):
-            terminalreporter.write_line(f"{seconds:7.1f}s  {where} at {nranks} ranks, {tests} tests")
+        for seconds, nranks, tests, folders in sorted(self._jobs, reverse=True):
+            terminalreporter.write_line(f"{seconds:7.1f}s  {nranks} ranks: {tests} tests in {folders} folders")
 
     def _run_batch(self, first: pytest.Item, nranks: int) -> None:
-        """Run all pending items of the modules in ``first``'s directory at ``nranks``, rerunning interrupted
-        ones."""
+        """Run all pending items at ``nranks``, rerunning interrupted ones."""
         pending = [
             item
             for item in first.session.items
-            if item.path.parent == first.path.parent
-            and _nranks(item) == nranks
-            and item.nodeid not in self._results
-            and item.get_closest_marker("skip") is None
+            if _nranks(item) == nranks and item.nodeid not in self._results and item.get_closest_marker("skip") is None
         ]
         while pending:
             job = _Job(self._config, nranks, pending)
             start = time.monotonic()
             decided = job.run()
-            where = str(first.path.parent.relative_to(self._config.rootpath))
-            self._jobs.append((time.monotonic() - start, where, nranks, len(pending)))
+            folders = len({item.path.parent for item in pending})
+            self._jobs.append((time.monotonic() - start, nranks, len(pending), folders))
             if job.stalled and decided:
-                warnings.warn(f"{where}/ at {nranks} ranks: {job.end}", pytest.PytestWarning, stacklevel=1)
+                warnings.warn(f"the job at {nranks} ranks: {job.end}", pytest.PytestWarning, stacklevel=1)
             decided = decided or {item.nodeid: _merge([{}] * nranks, job.end) for item in pending}
             self._results.update(decided)
             pending = [item for item in pending if item.nodeid not in decided]
