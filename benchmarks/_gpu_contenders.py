@@ -20,7 +20,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import mpistrategy  # registers "mpi_ad"
+from mpistrategy.aggregation import build_aggregator
 from mpistrategy.comm.cuda_ipc import VARIABLE as CUDA_IPC
+from mpistrategy.strategy import MPIADStrategy
 
 VOCAB = 32
 CLASSES = 10
@@ -197,11 +199,12 @@ class StepTimer(L.Callback):
         return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
-def trainer_run(kind: str, workload: Workload, ddp_backend: str) -> Run:
-    """``kind``: ``"mpi_ad"`` (``Trainer(strategy="mpi_ad")``), ``"mpi_ad_host"`` (the same with CUDA buckets
-    through host mirrors, ``MPISTRATEGY_CUDA_IPC=0``), ``"ddp"`` (``DDPStrategy`` over ``ddp_backend``,
-    every rank presented to Lightning as a node of one process) or ``"lightning_local"`` (this rank's device
-    alone, Lightning's single-device strategy, trained on one rank's share of the data)."""
+def trainer_run(kind: str, workload: Workload, ddp_backend: str, aggregation: str = "mean") -> Run:
+    """``kind``: ``"mpi_ad"`` (``Trainer(strategy="mpi_ad")``, or with the scheme ``aggregation`` names),
+    ``"mpi_ad_host"`` (the same with CUDA buckets through host mirrors, ``MPISTRATEGY_CUDA_IPC=0``), ``"ddp"``
+    (``DDPStrategy`` over ``ddp_backend``, every rank presented to Lightning as a node of one process) or
+    ``"lightning_local"`` (this rank's device alone, Lightning's single-device strategy, trained on one rank's share
+    of the data)."""
     comm = MPI.COMM_WORLD
     on_cuda = workload.device.type == "cuda"
     this_device = [workload.device.index] if on_cuda else 1
@@ -219,7 +222,8 @@ def trainer_run(kind: str, workload: Workload, ddp_backend: str) -> Run:
                 os.environ.pop(CUDA_IPC, None)
             else:
                 os.environ[CUDA_IPC] = cuda_ipc
-            trainer = L.Trainer(strategy="mpi_ad", **options)
+            mpi_ad = "mpi_ad" if aggregation == "mean" else MPIADStrategy(aggregator=build_aggregator(aggregation))
+            trainer = L.Trainer(strategy=mpi_ad, **options)
         elif kind == "ddp":
             strategy = DDPStrategy(process_group_backend=ddp_backend)
             environment = RankAsNode(shared_port(comm))

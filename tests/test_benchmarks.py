@@ -143,6 +143,7 @@ def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios
     assert all(math.isfinite(value) and value >= 0 for value in run["hand_phases_ms"].values())
     assert run["hidden"] is None or math.isfinite(run["hidden"])
     assert "mpi_ad/hand" in output and "target <= 0.75" in output and "hidden by mpi_ad" in output
+    assert payload["aggregation"] == run["aggregation"] == "mean" and "mpi_ad aggregation mean" in output
     width, height = png_size(tmp_path / "gpu.png")
     assert width >= 300 and height >= 300, (width, height)
 
@@ -150,6 +151,21 @@ def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios
         [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu"], capture_output=True, text=True, check=False
     )
     assert refused.returncode == 2 and "--device cpu: give --results DIR" in refused.stderr
+
+
+def test_gpu_benchmark_with_a_compressor_writes_its_own_results_and_sets_no_verdict(tmp_path: Path) -> None:
+    """``--aggregation powersgd``: mpi_ad trains with PowerSGD (the other contenders as they are); the results go
+    to ``gpu_powersgd.json``, and the targets, set for the mean, give no verdict."""
+    tiny = ("--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "8", "--batch", "4")
+    output = run_benchmark("gpu.py", tmp_path, *tiny, "--aggregation", "powersgd")
+    assert not (tmp_path / "gpu.json").exists()
+    payload = json.loads((tmp_path / "gpu_powersgd.json").read_text())
+    run = payload["runs"]["2"]
+    assert payload["aggregation"] == run["aggregation"] == "powersgd"
+    assert all(math.isfinite(value) and value > 0 for value in run["median_ms_per_step"].values())
+    assert "mpi_ad aggregation powersgd" in output and "(target <= 0.75 is set for the mean)" in output
+    assert "target <= 0.75: " not in output
+    assert png_size(tmp_path / "gpu_powersgd.png")[0] >= 300
 
 
 def test_gpu_staging_benchmark_on_the_cpu_times_every_part_of_every_configuration(tmp_path: Path) -> None:

@@ -129,6 +129,11 @@ class Aggregator(ABC):
     #: device but scaling: the reducer may hand it a CUDA bucket's host mirror instead (see
     #: :mod:`mpistrategy.strategy.reducer.staging`)
     combines_on_host: bool = False
+    #: the scheme's start on a CUDA bucket queues its first operation on the device's streams and does not wait for
+    #: the device (NCCL inside the node): the reducer starts it as the gradients land. Other schemes that do not
+    #: combine on the host (the compressors: device work, then MPI on host copies) start after backward (see
+    #: :mod:`mpistrategy.strategy.reducer.deferred`)
+    starts_on_streams: bool = False
 
     def setup(self, context: AggregationContext) -> None:
         """Called once by the reducer after the buckets are built, on every rank (collectives are allowed)."""

@@ -32,6 +32,7 @@ class NodeMeanAggregator(Aggregator):
     def __init__(self, transport: NodeTransport) -> None:
         self.transport = transport
         self.combines_on_host = isinstance(transport, MPINodeTransport)
+        self.starts_on_streams = transport.on_streams
 
     def start(self, bucket: GradBucket) -> Work:
         assert self.context is not None, "NodeMeanAggregator.setup() was not called"
@@ -75,6 +76,7 @@ class HierarchicalAggregator(Aggregator):
         self.is_leader = is_leader
         self.scale = scale
         self.combines_on_host = isinstance(transport, MPINodeTransport) and inner.combines_on_host
+        self.starts_on_streams = transport.on_streams
         self._flights: list[_Flight] = []
 
     def start(self, bucket: GradBucket) -> Work:

@@ -47,6 +47,8 @@ class NodeTransport(ABC):
 
     rank: int
     size: int
+    #: the operations on CUDA tensors are queued on the device's streams, the host never waits for them (NCCL)
+    on_streams: bool = False
 
     @abstractmethod
     def start_sum(self, tensor: torch.Tensor) -> Work:
@@ -85,6 +87,7 @@ class TorchNodeTransport(NodeTransport):
     def __init__(self, topology: Topology, backend: str, timeout_seconds: float = 1800.0) -> None:
         self.rank, self.size = topology.local_rank, topology.local_size
         self.backend = backend
+        self.on_streams = backend == "nccl"
         # the store must live as long as the group (NCCL meets through it at the first collective)
         self.group, self._store = _node_process_group(topology, backend, timeout_seconds)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from mpistrategy.aggregation import build_aggregator
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import DASO, HierarchicalLocalSGD, HierarchicalSync, LocalSGD
 from tests.strategy.helpers import (
@@ -130,6 +131,42 @@ def test_sharded_optimizer_state_on_the_device_equals_one_process(shard: str, de
     distance_moved(want, torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert devices.state == {device.type}
+
+
+COMPRESSORS = {
+    "powersgd": {"rank": 2, "start_iter": 2},
+    "topk": {"density": 0.25},
+    "randomk": {"density": 0.25},
+    "qsgd": {"levels": 8},
+    "minmax": {},
+    "fp16": {},
+    "sign": {},
+    "majority_vote": {},
+}
+
+
+@pytest.mark.mpi(ranks=(1, 2, 3), timeout=300)
+@pytest.mark.parametrize("scheme", sorted(COMPRESSORS))
+def test_every_compressor_on_the_device_trains_as_on_the_cpu(scheme: str, device: torch.device) -> None:
+    """The same AdamW steps with the compressor on the device and on the CPU: float64 parameters to 1e-9 (the
+    schemes draw their random numbers on the CPU; their starts on CUDA buckets run after backward), kept on the
+    device while training."""
+    trained = {}
+    for where in (device, torch.device("cpu")):
+        model = AdamWRegressor(mlp(seed=7).double())
+        devices = Devices()
+        fit(
+            where,
+            MPIADStrategy(aggregator=build_aggregator(scheme, **COMPRESSORS[scheme])),
+            model,
+            callbacks=[devices],
+        )
+        assert devices.parameters == {where.type}
+        trained[where.type] = flat_parameters(model).cpu()
+    got, want = trained[device.type], trained["cpu"]
+    assert_same_on_all_ranks(got, "parameters")
+    assert not torch.equal(want, flat_parameters(mlp(seed=7).double())), "training did not move the parameters"
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
 class Devices(L.Callback):

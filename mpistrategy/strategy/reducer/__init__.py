@@ -26,9 +26,11 @@ buckets, fewer waits for the other ranks); otherwise the layout stays, as compre
 The segment is freed when the buckets are rebuilt and by :meth:`GradientReducer.remove`, after the gradients in it
 are copied out.
 
-CUDA buckets (:mod:`~mpistrategy.strategy.reducer.peer_sums`, :mod:`~mpistrategy.strategy.reducer.staging`): where
-every rank shares one GPU and the aggregator is the mean, the buckets are averaged in each other's device memory;
-elsewhere, where MPI cannot read device memory, each goes through a page-locked host mirror.
+CUDA buckets (:mod:`~mpistrategy.strategy.reducer.peer_sums`, :mod:`~mpistrategy.strategy.reducer.staging`,
+:mod:`~mpistrategy.strategy.reducer.deferred`): where every rank shares one GPU and the aggregator is the mean, the
+buckets are averaged in each other's device memory; elsewhere, where MPI cannot read device memory, each goes
+through a page-locked host mirror; a compressor, which works on the device before MPI sees the data, starts them
+after backward.
 
 The pass (:mod:`~mpistrategy.strategy.reducer.gradient_reducer`): buckets start in index order as their gradients
 land (:mod:`~mpistrategy.strategy.reducer.launch`), the ranks exchange which parameters they used

@@ -27,7 +27,8 @@ device's streams.
 
 Only aggregators that combine the bucket as it is, with no computation on its device
 (:attr:`~mpistrategy.aggregation.Aggregator.combines_on_host`: the mean, the node mean and the hierarchical mean
-over MPI), are staged; the others (compressors, NCCL inside the node) get the device bucket as before.
+over MPI), are staged; the others get the device bucket: NCCL inside the node as the gradients land, the
+compressors after backward (:mod:`~mpistrategy.strategy.reducer.deferred`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket, Work
 from mpistrategy.comm.checks import validation
+from mpistrategy.strategy.reducer.deferred import DeferredStarts
 
 
 @dataclass
@@ -144,7 +146,8 @@ def _copy_event(lane: _Lane) -> torch.cuda.Event:
 
 class DeviceStaging:
     """The lanes of a bucket layout's CUDA buckets and the side stream their copies run on; :meth:`around` wraps
-    a pass's aggregator in a :class:`StagedAggregator` where the aggregator can be staged.
+    a pass's aggregator in a :class:`StagedAggregator` where the aggregator can be staged, else in a
+    :class:`~mpistrategy.strategy.reducer.deferred.DeferredStarts` where its start waits for the device.
 
     Args:
         buckets: the buckets, in launch order.
@@ -157,6 +160,7 @@ class DeviceStaging:
         devices = {bucket.buffer.device for bucket, lane in zip(buckets, self._lanes, strict=True) if lane}
         self._stream = torch.cuda.Stream(next(iter(devices))) if devices else None
         self._wrapped: dict[int, StagedAggregator] = {}
+        self._cuda_buckets = frozenset(index for index, lane in enumerate(self._lanes) if lane is not None)
 
     @property
     def mirrored(self) -> bool:
@@ -164,9 +168,13 @@ class DeviceStaging:
         return any(lane is not None and lane.mirrored for lane in self._lanes)
 
     def around(self, aggregator: Aggregator | None) -> Aggregator | None:
-        """``aggregator`` staged for this pass where it combines on the host; else itself."""
-        if aggregator is None or self._stream is None or not aggregator.combines_on_host:
+        """``aggregator`` for this pass over the CUDA buckets: staged where it combines on the host, with its starts
+        deferred where it works on the device (:class:`DeferredStarts`), itself where it only queues work on the
+        device's streams."""
+        if aggregator is None or self._stream is None or aggregator.starts_on_streams:
             return aggregator
+        if not aggregator.combines_on_host:  # new each pass: nothing noted in an interrupted pass carries over
+            return DeferredStarts(aggregator, self._cuda_buckets)
         staged = self._wrapped.get(id(aggregator))
         if staged is None or staged.inner is not aggregator:
             staged = self._wrapped[id(aggregator)] = StagedAggregator(aggregator, self._lanes, self._stream)
