@@ -32,23 +32,6 @@ def strategy_by_name(name: str = "auto", **kwargs: Any) -> Any:
     return name
 
 
-def signal_numbers(names: Any) -> tuple[int, ...]:
-    """``["SIGTERM", "USR1", 10]`` -> signal numbers."""
-    import signal
-
-    numbers = []
-    for name in names or ():
-        if isinstance(name, int):
-            numbers.append(name)
-            continue
-        key = str(name).upper()
-        key = key if key.startswith("SIG") else f"SIG{key}"
-        if not hasattr(signal, key):
-            raise ValueError(f"strategy.stop_signals: unknown signal {name!r}")
-        numbers.append(int(getattr(signal, key)))
-    return tuple(numbers)
-
-
 def mpi_ad_strategy(
     aggregator: Any = None,
     stop_signals: Any = ("SIGTERM", "SIGUSR1"),
@@ -59,8 +42,8 @@ def mpi_ad_strategy(
     """mpistrategy's ``mpi_ad`` strategy
     (``model_parallel``: :class:`mpistrategy.recipes.model_parallel.ModelParallelMPIStrategy`).
 
-    ``aggregator`` comes from the aggregation group; ``stop_signals`` are names. ``options`` are split: the sync
-    mode ``sync``'s own options (``period``, ``global_skip``, ``graph`` ...) build the mode with
+    ``aggregator`` comes from the aggregation group; ``stop_signals`` are names or numbers. ``options`` are split:
+    the sync mode ``sync``'s own options (``period``, ``global_skip``, ``graph`` ...) build the mode with
     :func:`mpistrategy.sync.build_sync`, the others (``bucket_cap_mb``, ``ranks_per_node`` ...) go to the
     strategy's constructor. Gossip also takes ``neighbours``, its graph when ``graph=custom``.
     """
@@ -103,7 +86,7 @@ def mpi_ad_strategy(
     return cls(
         aggregator=aggregator,
         sync=build_sync(sync, **mode_options),
-        stop_signals=signal_numbers(stop_signals),
+        stop_signals=stop_signals or (),
         **kwargs,
     )
 

@@ -19,7 +19,6 @@ Trainer:
 from __future__ import annotations
 
 import os
-import signal
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -40,7 +39,7 @@ from mpistrategy.strategy.sharding.options import check_shard
 from mpistrategy.sync import SyncMode, build_sync
 from mpistrategy.sync.transport import NODE_TRANSPORTS
 
-DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
 class MPIStrategyBase:
@@ -75,9 +74,9 @@ class MPIStrategyBase:
         abort_on_exception: abort every rank when one raises (prints the traceback first), and report a rank that
             ends through ``os._exit``. Turn off only for a deliberate, identical exception on every rank that the
             script catches.
-        stop_signals: signals that trigger a coordinated stop (default SIGTERM and SIGUSR1): every rank stops at
-            the same step with exit code :data:`~mpistrategy.strategy.failures.STOPPED_EXIT_CODE` (75); ``()``
-            leaves the signals alone.
+        stop_signals: signals that trigger a coordinated stop, by name (``"SIGUSR1"`` or ``"USR1"``) or number
+            (default ``("SIGTERM", "SIGUSR1")``): every rank stops at the same step with exit code
+            :data:`~mpistrategy.strategy.failures.STOPPED_EXIT_CODE` (75); ``()`` leaves the signals alone.
         set_num_threads: when ``OMP_NUM_THREADS`` is unset, give each rank ``cpu_count // ranks_per_node``
             torch threads (as Lightning does for the processes it launches).
         stall_timeout: seconds a rank may wait in a collective or the gradient sync before the stall watchdog
@@ -120,7 +119,7 @@ class MPIStrategyBase:
         own_bucket_mb: float = 1.0,
         data_parallel: bool = True,
         abort_on_exception: bool = True,
-        stop_signals: Iterable[int] = DEFAULT_STOP_SIGNALS,
+        stop_signals: Iterable[int | str] = DEFAULT_STOP_SIGNALS,
         set_num_threads: bool = True,
         stall_timeout: float | None = None,
         stall_action: str | None = None,
@@ -150,13 +149,14 @@ class MPIStrategyBase:
         self.shard = shard
         self.abort_on_exception = abort_on_exception
         self.set_num_threads = set_num_threads
-        self._stop_signal_numbers = tuple(stop_signals)
         self._stop: failures.StopSignals | None = None
         self._traffic = TrafficCounter()
         if self.abort_on_exception and self.world_size > 1:
             failures.install_excepthook()
             failures.report_os_exit()
-        check_shard(shard, data_parallel)  # after the hook: a value wrong on one rank only ends every rank
+        # after the hook: a value wrong on one rank only ends every rank
+        self._stop_signal_numbers = failures.signal_numbers(stop_signals)
+        check_shard(shard, data_parallel)
 
     # --------------------------------------------------------------------------------------------- ranks
 

@@ -173,6 +173,26 @@ def mark_coordinated_stop(error: BaseException) -> BaseException:
     return mark_raised_on_every_rank(error)
 
 
+def signal_numbers(signals: Iterable[int | str] | None) -> tuple[int, ...]:
+    """The numbers of ``signals``, each given by number or by name, with or without ``SIG`` (``"SIGTERM"``,
+    ``"usr1"``, ``15``)."""
+    numbers = []
+    for given in signals or ():
+        if isinstance(given, int) and not isinstance(given, bool):
+            number = given if given in {int(known) for known in signal.Signals} else None
+        else:
+            key = str(given).upper()
+            known = signal.Signals.__members__.get(key if key.startswith("SIG") else f"SIG{key}")
+            number = None if known is None else int(known)
+        if number is None:
+            raise ValueError(
+                f"stop_signals: {given!r} is not a signal on this system; give names such as 'SIGTERM' or 'USR1', "
+                "or signal numbers."
+            )
+        numbers.append(number)
+    return tuple(numbers)
+
+
 class StopSignals:
     """Records stop signals and turns them into one decision shared by all ranks.
 
