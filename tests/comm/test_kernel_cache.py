@@ -220,5 +220,6 @@ def test_the_refusal_is_reported_once_on_rank_0_only(tmp_path: Path) -> None:
     environment = {**launch.without_launcher_variables(os.environ), rank_sum.CACHE_VARIABLE: str(cache)}
     command = [*launch.mpiexec_command(), "-n", "3", sys.executable, "-W", "always", "-c", PROBE]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
-    assert result.stdout.split() == ["True"] * 3, result.stderr
+    # the ranks' lines reach mpiexec's output in pieces that can interleave ("TrueTrue\n\nTrue\n"): count the answers
+    assert result.stdout.count("True") == 3 and "False" not in result.stdout, (result.stdout, result.stderr)
     assert result.stderr.count(REFUSED) == 1, result.stderr
