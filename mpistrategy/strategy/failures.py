@@ -179,7 +179,7 @@ def signal_numbers(signals: Iterable[int | str] | None) -> tuple[int, ...]:
     numbers = []
     for given in signals or ():
         if isinstance(given, int) and not isinstance(given, bool):
-            number = given if given in {int(known) for known in signal.Signals} else None
+            number = given if given in signal.valid_signals() else None
         else:
             key = str(given).upper()
             known = signal.Signals.__members__.get(key if key.startswith("SIG") else f"SIG{key}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
@@ -17,6 +18,8 @@ from mpistrategy.aggregation import AggregationContext, GradBucket, MeanAggregat
 COMM = MPI.COMM_WORLD
 RANK = COMM.Get_rank()
 SIZE = COMM.Get_size()
+#: ``mpiexec -n 3 python ONE_RANK_OPTION_JOB NAME VALUE RANK1_VALUE``: rank 1 alone gives the strategy another value
+ONE_RANK_OPTION_JOB = Path(__file__).parent / "scripts" / "one_rank_option_job.py"
 
 QUIET = dict(
     logger=False,

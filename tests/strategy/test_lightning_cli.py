@@ -1,7 +1,8 @@
 """``LightningCLI`` over Lightning's demo ``BoringModel``, the strategy chosen on the command line as a user of the CLI
 does: by class path with its init arguments (ZeRO stage 1, stop signals by name, a sync mode by name, a compressor by
-class path), the composed config printed with every default representable, and a bad value ending every rank. Each
-test runs its own ``mpiexec`` job of ``tests/strategy/scripts/lightning_cli.py``."""
+class path), the composed config printed with every default representable, and an unknown stop signal ending every
+rank. Each test runs its own ``mpiexec`` job of ``tests/strategy/scripts/lightning_cli.py``; the same signal given
+to one rank only goes through ``one_rank_option_job.py``, without the CLI."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from tests.external_job import OUTER_RUN_ONLY, ROOT, run_mpi_job
 from tests.mpi_harness import clean_environ
+from tests.strategy.helpers import ONE_RANK_OPTION_JOB
 
 pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse (the test extra installs it)")
 
@@ -83,3 +85,10 @@ def test_an_unknown_stop_signal_ends_every_rank_with_the_reason(tmp_path: Path) 
     assert code != 0
     assert "stop_signals: 'SIGFOO' is not a signal on this system" in output, output[-4000:]
     assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_an_unknown_stop_signal_on_one_rank_only_ends_the_job() -> None:
+    code, output, _ = run_mpi_job(ONE_RANK_OPTION_JOB, 3, "stop_signals", '["USR1"]', '["USR99"]', timeout=TIMEOUT)
+    assert code != 0
+    assert "stop_signals: 'USR99' is not a signal on this system" in output, output[-4000:]
+    assert "[mpistrategy] rank 1 of 3" in output, output[-4000:]

@@ -4,22 +4,25 @@ different values, and a wrong value on one rank only (which ends the job)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from mpistrategy.aggregation import TopK
-from mpistrategy.launch import mpiexec_command
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import SyncConfigurationError
-from tests.mpi_harness import clean_environ
-from tests.strategy.helpers import COMM, RANK, SIZE, Regressor, loader, mlp, regression_data, trainer
-
-SCRIPT = Path(__file__).parent / "scripts" / "bad_shard_job.py"
+from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
+from tests.strategy.helpers import (
+    COMM,
+    ONE_RANK_OPTION_JOB,
+    RANK,
+    SIZE,
+    Regressor,
+    loader,
+    mlp,
+    regression_data,
+    trainer,
+)
 
 
 def _fit(strategy: MPIADStrategy) -> None:
@@ -63,23 +66,10 @@ def test_ranks_given_different_modes_fail_together() -> None:
     _still_in_step()
 
 
-@pytest.mark.skipif(
-    os.environ.get("MPISTRATEGY_TEST_NRANKS") is not None or "PMI_RANK" in os.environ,
-    reason="launches its own mpiexec; run from the plain (outer) pytest",
-)
+@OUTER_RUN_ONLY
 def test_an_unknown_mode_on_one_rank_only_ends_the_job() -> None:
-    env = clean_environ()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[3]), env.get("PYTHONPATH", "")])
     start = time.time()
-    done = subprocess.run(
-        [*mpiexec_command(), "-n", "3", sys.executable, str(SCRIPT)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode != 0, output[-3000:]
+    code, output, ended = run_mpi_job(ONE_RANK_OPTION_JOB, 3, "shard", '"optimizer"', '"bogus"', timeout=300)
+    assert code != 0, output[-3000:]
     assert "shard='bogus' is not a shard mode" in output and "[mpistrategy] rank 1 of 3" in output, output[-3000:]
-    assert time.time() - start < 280
+    assert ended - start < 280
