@@ -27,37 +27,54 @@ OUTER_RUN_ONLY = pytest.mark.skipif(
 )
 
 
-def run_mpi_job(script: Path, ranks: int, *args: str, timeout: float, **env: str) -> tuple[int, str, float]:
-    """``mpiexec -n ranks python script *args`` in the environment pytest started with (plus ``env``, with the
-    repository importable): its exit code, its output (stdout, then stderr) and when ``mpiexec`` exited.
+class MPIJob:
+    """An ``mpiexec -n ranks python script *args`` job started by :func:`start_mpi_job`; ``process`` is
+    ``mpiexec`` (send it signals), :meth:`finish` waits for the end."""
 
-    The job's output goes to files (a process that outlives ``mpiexec`` cannot hold the test up by keeping a pipe
-    open). A job still running after ``timeout`` seconds fails the test with its processes, each with what it waits
-    in (found by :mod:`tests.job_processes`); processes left after ``mpiexec`` exited are killed with a warning that
-    lists them."""
-    environ = {**clean_environ(), **env}
-    environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
-    marker = job_processes.mark(environ)
-    command = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(script), *args]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=environ, start_new_session=True
+    def __init__(self, script: Path, ranks: int, args: tuple[str, ...], env: dict[str, str]) -> None:
+        environ = {**clean_environ(), **env}
+        environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
+        self._marker = job_processes.mark(environ)
+        command = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(script), *args]
+        # The output goes to files: a process that outlives mpiexec cannot hold the test up by keeping a pipe open.
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            command, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL, env=environ, start_new_session=True
         )
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            processes = job_processes.listing(marker)
-            job_processes.kill(marker)
-            proc.wait()
-            pytest.fail(
-                f"the job hung (killed after {timeout} s); its processes:\n{processes}\n{_read(out, err)[-4000:]}"
-            )
-        ended = time.time()
-        left = job_processes.listing(marker)
-        if left:
-            job_processes.kill(marker)
-            warnings.warn(f"processes outlived mpiexec (killed):\n{left}", stacklevel=2)
-        return proc.returncode, _read(out, err), ended
+
+    def finish(self, timeout: float) -> tuple[int, str, float]:
+        """Wait for ``mpiexec``: its exit code, the job's output (stdout, then stderr) and when ``mpiexec`` exited.
+
+        A job still running after ``timeout`` seconds fails the test with its processes, each with what it waits in
+        (found by :mod:`tests.job_processes`); processes left after ``mpiexec`` exited are killed with a warning that
+        lists them."""
+        with self._out, self._err:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                processes = job_processes.listing(self._marker)
+                job_processes.kill(self._marker)
+                self.process.wait()
+                output = _read(self._out, self._err)[-4000:]
+                pytest.fail(f"the job hung (killed after {timeout} s); its processes:\n{processes}\n{output}")
+            ended = time.time()
+            left = job_processes.listing(self._marker)
+            if left:
+                job_processes.kill(self._marker)
+                warnings.warn(f"processes outlived mpiexec (killed):\n{left}", stacklevel=3)
+            return self.process.returncode, _read(self._out, self._err), ended
+
+
+def start_mpi_job(script: Path, ranks: int, *args: str, **env: str) -> MPIJob:
+    """Start ``mpiexec -n ranks python script *args`` in the environment pytest started with (plus ``env``, with
+    the repository importable)."""
+    return MPIJob(script, ranks, args, env)
+
+
+def run_mpi_job(script: Path, ranks: int, *args: str, timeout: float, **env: str) -> tuple[int, str, float]:
+    """:func:`start_mpi_job`, then :meth:`MPIJob.finish`: the exit code, the output (stdout, then stderr) and when
+    ``mpiexec`` exited."""
+    return start_mpi_job(script, ranks, *args, **env).finish(timeout)
 
 
 def _read(*files: IO[bytes]) -> str:

@@ -9,8 +9,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,40 +16,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpistrategy.launch import mpiexec_command
 from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
-from tests.mpi_harness import clean_environ
+from tests.external_job import OUTER_RUN_ONLY, MPIJob, run_mpi_job, start_mpi_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "failing_job.py"
 RANKS = 3
 LIMIT = 30.0  # seconds from the failure to the end of the job
 STARTUP = 240.0  # generous: three ranks import torch and Lightning on a loaded 2-core machine
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("MPISTRATEGY_TEST_NRANKS") is not None or "PMI_RANK" in os.environ,
-    reason="launches its own mpiexec; run from the plain (outer) pytest",
-)
+pytestmark = OUTER_RUN_ONLY
 
 
-def _start(mode: str, directory: str) -> subprocess.Popen:
-    env = clean_environ()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
-    command = [*mpiexec_command(), "-n", str(RANKS), sys.executable, str(SCRIPT), mode, directory]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _finish(process: subprocess.Popen, timeout: float = STARTUP) -> tuple[int, str, float]:
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        pytest.fail(f"the job hung (killed after {timeout} s):\n{output[-4000:]}")
-    return process.returncode, output, time.time()
+def _start(mode: str, directory: str) -> MPIJob:
+    return start_mpi_job(SCRIPT, RANKS, mode, directory)
 
 
 def _run(mode: str, directory: str) -> tuple[int, str, float]:
-    return _finish(_start(mode, directory))
+    return run_mpi_job(SCRIPT, RANKS, mode, directory, timeout=STARTUP)
 
 
 def _failed_at(output: str) -> float:
@@ -122,14 +103,14 @@ def test_sigusr1_on_one_rank_stops_all_at_the_same_step_with_a_checkpoint(stoppe
 
 def test_sigterm_from_outside_to_one_rank_stops_all_at_the_same_step() -> None:
     directory = tempfile.mkdtemp()
-    process = _start("pids", directory)
+    job = _start("pids", directory)
     target = Path(directory) / "pid2"
     deadline = time.time() + STARTUP
     while not target.exists() or not target.read_text():
-        assert process.poll() is None and time.time() < deadline, "the job ended or never started training"
+        assert job.process.poll() is None and time.time() < deadline, "the job ended or never started training"
         time.sleep(0.2)
     os.kill(int(target.read_text()), signal.SIGTERM)
-    code, output, _ = _finish(process)
+    code, output, _ = job.finish(STARTUP)
     assert code == STOPPED_EXIT_CODE, output[-4000:]
     steps = _stopped_steps(output)
     assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]
@@ -140,14 +121,14 @@ def test_sigterm_from_outside_to_one_rank_stops_all_at_the_same_step() -> None:
 def test_signal_to_mpiexec_stops_all_ranks(signum: signal.Signals) -> None:
     """MPICH's mpiexec forwards SIGUSR1 and SIGTERM to every rank; they stop together."""
     directory = tempfile.mkdtemp()
-    process = _start("pids", directory)
+    job = _start("pids", directory)
     deadline = time.time() + STARTUP
     while not all((Path(directory) / f"pid{r}").exists() for r in range(RANKS)):
-        assert process.poll() is None and time.time() < deadline, "the job ended or never started training"
+        assert job.process.poll() is None and time.time() < deadline, "the job ended or never started training"
         time.sleep(0.2)
     time.sleep(0.5)
-    process.send_signal(signum)
-    code, output, _ = _finish(process)
+    job.process.send_signal(signum)
+    code, output, _ = job.finish(STARTUP)
     assert code == STOPPED_EXIT_CODE, output[-4000:]
     steps = _stopped_steps(output)
     assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1, output[-4000:]

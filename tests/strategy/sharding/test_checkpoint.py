@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -15,11 +13,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from mpistrategy.launch import mpiexec_command
 from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.strategy.sharding.checkpoint import KEY, consolidate
-from tests.mpi_harness import clean_environ
+from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
 from tests.strategy.helpers import COMM, RANK, loader, shared_tmpdir, trainer
 from tests.strategy.resume import assert_same_training_state, fit_noisy, stop_then_resume
 from tests.strategy.sharding.helpers import BATCH, DeepNet, data
@@ -27,10 +24,6 @@ from tests.strategy.sharding.helpers import BATCH, DeepNet, data
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_job.py"
 BATCHES_PER_EPOCH, EPOCHS = 6, 2
 MODES = ("optimizer", "gradients")
-outer_only = pytest.mark.skipif(
-    os.environ.get("MPISTRATEGY_TEST_NRANKS") is not None or "PMI_RANK" in os.environ,
-    reason="launches its own mpiexec jobs; run from the plain (outer) pytest",
-)
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=240)
@@ -74,12 +67,8 @@ def test_a_damaged_or_missing_shard_is_refused_on_every_rank() -> None:
 
 
 def _job(mode: str, shard: str, ranks: int, directory: str) -> None:
-    env = clean_environ()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[3]), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    command = [*mpiexec_command(), "-n", str(ranks), sys.executable, str(SCRIPT), mode, shard, directory]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=400, check=False)
-    assert done.returncode == 0, f"{mode} at {ranks} ranks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    code, output, _ = run_mpi_job(SCRIPT, ranks, mode, shard, directory, timeout=400, OMP_NUM_THREADS="1")
+    assert code == 0, f"{mode} at {ranks} ranks failed:\n{output[-6000:]}"
 
 
 def _assert_same_state(got: dict, want: dict) -> None:
@@ -90,7 +79,7 @@ def _assert_same_state(got: dict, want: dict) -> None:
     assert [g["lr"] for g in got["param_groups"]] == [g["lr"] for g in want["param_groups"]]
 
 
-@outer_only
+@OUTER_RUN_ONLY
 @pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 3)])
 def test_resume_on_another_number_of_ranks_has_the_consolidated_state(saved_at: int, loaded_at: int) -> None:
     """Saved with ``shard='gradients'`` at one number of ranks, loaded at another: sharded (``shard='optimizer'``,
