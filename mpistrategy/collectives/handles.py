@@ -7,10 +7,15 @@ A non-blocking op is split into two autograd nodes joined by an empty *token* te
 
 so the backward communication overlaps with whatever autograd computes between the two nodes, exactly as the
 forward one did. The user sees a :class:`Handle`; ``handle.wait()`` applies Finish and returns the result.
+
+A handle dropped before its op completed (never waited on, or lost to an exception) does not free the buffers MPI
+still reads and writes: its requests and buffers are parked and released once MPI reports them complete (checked
+whenever a non-blocking op is posted, and waited for at exit, before MPI is finalized).
 """
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -19,16 +24,40 @@ from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
 
+#: requests of dropped :class:`Pending` objects still in flight, each with the buffers it uses
+_parked: list[tuple[list[MPI.Request], tuple]] = []
+
+
+def _release_completed() -> None:
+    """Forget the parked requests that have completed (never blocks)."""
+    _parked[:] = [entry for entry in _parked if not MPI.Request.Testall(entry[0])]
+
+
+@atexit.register  # registered after mpi4py's own exit handler, so it runs before MPI is finalized
+def _complete_parked() -> None:
+    if _parked and MPI.Is_initialized() and not MPI.Is_finalized():
+        for requests, _ in _parked:
+            MPI.Request.Waitall(requests)
+    _parked.clear()
+
 
 class Pending:
-    """MPI requests in flight, the buffers they use, and how to turn them into the op's result."""
+    """MPI requests in flight, the buffers they use, and how to turn them into the op's result. Dropped before
+    the requests complete, it parks them with their buffers (see the module doc)."""
 
     __slots__ = ("requests", "finish", "keepalive")
 
     def __init__(self, requests: list[MPI.Request], finish: Callable[[], Any], keepalive: tuple = ()) -> None:
+        if _parked:
+            _release_completed()
         self.requests = requests
         self.finish = finish
         self.keepalive = keepalive
+
+    def __del__(self) -> None:
+        requests = getattr(self, "requests", None)
+        if requests and not MPI.Is_finalized() and not MPI.Request.Testall(requests):
+            _parked.append((requests, self.keepalive))
 
     def wait(self) -> Any:
         """Block until every request completes, then return the result."""

@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity
 
 import mpistrategy as ms
 from mpistrategy import CommunicationError, Placeholder
+from mpistrategy.collectives import handles
 from mpistrategy.comm.checks import agree
 from tests.adjoint import assert_adjoint, gather_reference, random_like_rank, rank, rank_generator, size, strided
 
@@ -205,6 +206,26 @@ def test_iallreduce_in_place_allocates_no_result_buffer() -> None:
     allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
     assert max(allocated, default=0) < nbytes, f"an in-place allreduce allocated {max(allocated)} bytes"
     _assert_close(x, torch.full_like(x, (size() + 1) / 2))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "prod"])
+@pytest.mark.parametrize("recorded", [False, True], ids=["no grad", "recorded"])
+def test_a_dropped_iallreduce_handle_keeps_its_buffers_until_mpi_is_done(op: str, recorded: bool) -> None:
+    """Handles dropped before wait(): MPI still writes their results; freed, that memory would be handed to the
+    next tensors, which then hold the dropped allreduces' values (or the heap breaks)."""
+    n = 1 << 17
+    for round_ in range(8):
+        x = torch.full((n,), float(rank() + 1), dtype=torch.float64, requires_grad=recorded)
+        handle = ms.iallreduce(x, op)
+        del handle, x
+        later = [torch.full((n,), -1.0, dtype=torch.float64) for _ in range(4)]
+        total = ms.allreduce(torch.full((n,), float(round_), dtype=torch.float64))
+        assert torch.all(total == round_ * size()), "a dropped handle's allreduce wrote into a later tensor"
+        assert all(torch.all(t == -1.0) for t in later), "a dropped handle's allreduce wrote into a later tensor"
+    ms.iallreduce(torch.ones(1, dtype=torch.float64)).wait()
+    COMM.Barrier()
+    ms.iallreduce(torch.ones(1, dtype=torch.float64)).wait()
+    assert not handles._parked, "completed requests of dropped handles are still held"
 
 
 def test_iallreduce_errors_raise_on_every_rank() -> None:
