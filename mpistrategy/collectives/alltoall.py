@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, to_front
+from mpistrategy.collectives._second_order import recording
 from mpistrategy.collectives.gather import _blocks, check_along, check_sizes, raise_if_flagged
 from mpistrategy.comm.buffers import empty_on_wire, off_wire, on_wire
 from mpistrategy.comm.checks import agree, agreeing, attempt, checked, grad_flag, signature
@@ -42,6 +43,8 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if recording():  # through an alltoall node with the sizes swapped, whose backward is this alltoall again
+            return _Alltoall.apply(grad, ctx.recv_sizes, ctx.send_sizes, ctx.dim, ctx.comm), None, None, None, None
         front = to_front(grad, ctx.dim)
         grad_in = _alltoall_front(front, ctx.recv_sizes, ctx.send_sizes, ctx.comm.backward)
         return from_front(grad_in, ctx.dim), None, None, None, None

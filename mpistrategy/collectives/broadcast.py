@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._second_order import refuse_if_recording
 from mpistrategy.collectives.placeholder import anchor
 from mpistrategy.collectives.reduction import _broadcast_from
 from mpistrategy.comm.buffers import (
@@ -51,6 +52,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_if_recording("broadcast")
         comm = ctx.comm
         wire_dtype = reduction_dtype(grad.dtype, "sum", "broadcast backward")
         send = on_wire(grad, wire_dtype)

@@ -28,8 +28,9 @@ from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
+from mpistrategy.collectives._second_order import recording, refuse_if_recording
 from mpistrategy.collectives.placeholder import Placeholder, anchor
-from mpistrategy.collectives.reduction import _allgather_front, _reduce_scatter_front
+from mpistrategy.collectives.reduction import _allgather_front, _reduce_scatter_front, _ReduceScatter
 from mpistrategy.comm.buffers import (
     check_dtype,
     check_out,
@@ -235,6 +236,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_if_recording("gather")
         comm = ctx.comm
         front = to_front(grad, ctx.dim) if comm.rank == ctx.root else None
         block = _scatter_front(front, ctx.sizes, ctx.rest, grad.dtype, grad.device, ctx.root, comm.backward, comm.rank)
@@ -317,6 +319,7 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_if_recording("scatter")
         comm = ctx.comm
         full = _gather_front(to_front(grad, ctx.dim), ctx.sizes, ctx.root, comm.backward, comm.rank)
         grad_in = from_front(full, ctx.dim) if full is not None else None
@@ -454,6 +457,8 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         comm = ctx.comm
+        if recording():  # through reduce_scatter's autograd node, whose backward is this allgather again
+            return _ReduceScatter.apply(grad, ctx.sizes, ctx.dim, "sum", comm), None, None, None
         front = to_front(grad, ctx.dim)
         block = _reduce_scatter_front(front, ctx.sizes, "sum", comm.backward, comm.rank, comm.size)
         return from_front(block, ctx.dim), None, None, None

@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._second_order import recording, refuse_if_recording
 
 #: requests of dropped :class:`Pending` objects still in flight, each with the buffers it uses
 _parked: list[tuple[list[MPI.Request], tuple]] = []
@@ -97,18 +98,41 @@ class Work(Protocol):
     def test(self) -> bool: ...
 
 
-class Link:
-    """The state shared by one op's Start and Finish nodes."""
+class Completed:
+    """A result already computed (the interface of :class:`Pending`)."""
 
-    __slots__ = ("start_forward", "start_backward", "forward", "backward")
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    def wait(self) -> Any:
+        return self.result
+
+    def test(self) -> bool:
+        return True
+
+
+class Link:
+    """The state shared by one op's Start and Finish nodes.
+
+    ``adjoint``, where the op has one, computes the backward through differentiable ops: it replaces
+    ``start_backward`` while autograd records the backward (``create_graph=True``), so that the gradient can be
+    differentiated again; without it, such a backward raises (``what`` names the op)."""
+
+    __slots__ = ("start_forward", "start_backward", "adjoint", "what", "forward", "backward")
 
     def __init__(
         self,
         start_forward: Callable[[torch.Tensor], Work],
         start_backward: Callable[[torch.Tensor], Work],
+        what: str,
+        adjoint: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.start_forward = start_forward
         self.start_backward = start_backward
+        self.what = what
+        self.adjoint = adjoint
         self.forward: Work | None = None
         self.backward: Work | None = None
 
@@ -134,7 +158,13 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.link.backward = ctx.link.start_backward(grad)
+        link = ctx.link
+        if link.adjoint is None:
+            refuse_if_recording(link.what)
+        elif recording():
+            link.backward = Completed(link.adjoint(grad))
+            return grad.new_empty(0), None
+        link.backward = link.start_backward(grad)
         return grad.new_empty(0), None
 
 

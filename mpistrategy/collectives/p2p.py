@@ -78,6 +78,7 @@ from mpi4py import MPI
 
 from mpistrategy.collectives import _p2p_wire as wire
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._second_order import refuse_if_recording
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder, anchor
 from mpistrategy.comm.checks import attempt, check_rank
@@ -186,6 +187,7 @@ class _Send(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad: torch.Tensor):
+        refuse_if_recording("send")
         pending = wire.receive_gradient(ctx.shape, ctx.dtype, ctx.device, ctx.dst, ctx.number, ctx.comm)
         return pending.wait(), None, None, None, None
 
@@ -198,6 +200,7 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_if_recording("recv")
         wire.send_gradient(grad, ctx.src, ctx.number, ctx.comm)
         return None, None, None
 
@@ -225,6 +228,7 @@ class _SendRecv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_if_recording("sendrecv")
         if ctx.return_gradient:
             wire.send_gradient(grad, ctx.src, ctx.received_number, ctx.comm)
         grad_in = None
@@ -337,7 +341,7 @@ def isend(tensor: torch.Tensor, dst: int, tag: int = 0, comm: MPI.Comm | Communi
     def wrap(result: torch.Tensor) -> Placeholder:
         return Placeholder("isend", dst, tuple(shape), dtype, result)
 
-    return Handle(tensor, Link(start_forward, start_backward), wrap)
+    return Handle(tensor, Link(start_forward, start_backward, "isend"), wrap)
 
 
 @eager_under_compile
@@ -373,7 +377,7 @@ def irecv(
         assert entry.meta is not None  # the data has arrived
         return result if entry.meta.requires_grad else result.detach()
 
-    return Handle(link, Link(start_forward, start_backward), wrap)
+    return Handle(link, Link(start_forward, start_backward, "irecv"), wrap)
 
 
 __all__ = ["irecv", "isend", "recv", "send", "sendrecv", "wait_backward_sends"]

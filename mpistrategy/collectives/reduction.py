@@ -35,6 +35,7 @@ from mpi4py import MPI
 from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
 from mpistrategy.collectives._product import start_exclusive_product, times_others
+from mpistrategy.collectives._second_order import recording, refuse_if_recording
 from mpistrategy.collectives.handles import Handle, Link, Pending, Then
 from mpistrategy.collectives.placeholder import Placeholder
 from mpistrategy.comm.buffers import (
@@ -143,15 +144,24 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         comm = ctx.comm
-        if ctx.op in ("sum", "avg"):
-            return _allreduce(grad, ctx.op, comm.backward, comm.size), None, None
         if ctx.op == "prod":
+            refuse_if_recording("allreduce op='prod'")
             return times_others(_allreduce(grad, "sum", comm.backward, comm.size), ctx.others), None, None
+        if ctx.op in ("sum", "avg"):
+            return _reduced_cotangents(grad, ctx.op, comm), None, None
         tensor, result = ctx.saved_tensors
         candidate = torch.where(tensor == result, comm.rank, comm.size).to(torch.int32)
         owner = _allreduce(candidate, "min", comm.backward, comm.size)
-        total = _allreduce(grad, "sum", comm.backward, comm.size)
+        total = _reduced_cotangents(grad, "sum", comm)
         return torch.where(owner == comm.rank, total, torch.zeros_like(total)), None, None
+
+
+def _reduced_cotangents(grad: torch.Tensor, op: str, comm: Communicator) -> torch.Tensor:
+    """The allreduce (``op`` sum or avg) of the cotangents in a backward pass; while autograd records the backward,
+    through the allreduce's own autograd node, whose backward is that allreduce again."""
+    if recording():
+        return _Allreduce.apply(grad, op, comm)
+    return _allreduce(grad, op, comm.backward, comm.size)
 
 
 def _check_reduction(tensor: torch.Tensor, op: str, what: str, refusal: str | None = None) -> None:
@@ -255,10 +265,12 @@ def iallreduce(
     )
     if op == "prod" and recorded:
         product = _NonBlockingProduct(comm)
-        return Handle(tensor, Link(product.start_forward, product.start_backward))
+        return Handle(tensor, Link(product.start_forward, product.start_backward, "iallreduce op='prod'"))
     link = Link(
         lambda x: _start_allreduce(x, op, comm.forward, comm.size, out),
         lambda g: _start_allreduce(g, op, comm.backward, comm.size),
+        "iallreduce",
+        adjoint=lambda g: _Allreduce.apply(g, op, comm),
     )
     return Handle(tensor, link)
 
@@ -332,6 +344,7 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_if_recording("reduce")
         comm = ctx.comm
         at_root = grad if comm.rank == ctx.root else None
         grad_in = _broadcast_from(at_root, ctx.shape, ctx.dtype, ctx.device, ctx.root, comm.backward)
@@ -411,6 +424,13 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         comm = ctx.comm
+        if ctx.op == "prod":
+            refuse_if_recording("reduce_scatter op='prod'")
+        elif recording():
+            from mpistrategy.collectives.gather import _Allgather  # gather imports this module
+
+            gathered = _Allgather.apply(grad, ctx.sizes, ctx.dim, comm)
+            return gathered / comm.size if ctx.op == "avg" else gathered, None, None, None, None
         full = _allgather_front(to_front(grad, ctx.dim), ctx.sizes, comm.backward)
         if ctx.op == "avg":
             full = full / comm.size

@@ -15,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._second_order import recording
 from mpistrategy.collectives.reduction import _allreduce, _check_reduction
 from mpistrategy.comm.checks import checked, signature
 from mpistrategy.comm.communicator import Communicator, resolve
@@ -28,16 +29,21 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if recording():  # through reduce_from_parallel's node, whose backward is this identity again
+            return _ReduceFromParallel.apply(grad, ctx.comm), None
         return _allreduce(grad, "sum", ctx.comm.backward, ctx.comm.size), None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
         return _allreduce(tensor, "sum", comm.forward, comm.size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if recording():  # through copy_to_parallel's node, whose backward is this allreduce again
+            return _CopyToParallel.apply(grad, ctx.comm), None
         return grad, None
 
 
