@@ -17,6 +17,8 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mpistrategy.recipes.config import check_values
+
 log = logging.getLogger(__name__)
 
 
@@ -174,9 +176,11 @@ def build_strategy(cfg: DictConfig) -> Any:
 
 
 def build_run(cfg: DictConfig, *, trainer_overrides: dict[str, Any] | None = None) -> Run:
-    """Instantiate strategy (first: building it is collective), data, model (with the optimizer and scheduler
-    partials), loggers, callbacks, Trainer."""
+    """Instantiate strategy (first: building it is collective), check the values that must fit together
+    (:func:`~mpistrategy.recipes.config.check_values`), then data, model (with the optimizer and scheduler partials),
+    loggers, callbacks, Trainer."""
     strategy = build_strategy(cfg)
+    check_values(cfg)  # after the strategy: every rank has reached building's one collective
     datamodule = instantiate(cfg.data)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)

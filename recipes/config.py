@@ -5,6 +5,9 @@ Hydra merges the YAML onto a dataclass: a misspelled key or a value of the wrong
 before anything is built or trained, with the full key in the message. :func:`explain` adds the keys that *are*
 allowed (and the closest match) to Hydra's message.
 
+Rules that tie several values together, which a schema cannot state, are checked by :func:`check_values` on the
+composed config (``build_run`` calls it before building the model).
+
 Call :func:`register_configs` before composing (``mpistrategy.recipes.train`` does it at import; tests call it).
 """
 
@@ -18,6 +21,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 from mpistrategy.strategy.sharding.options import SHARD_MODES
 from mpistrategy.sync.daso import DOWNCAST_TYPES
@@ -561,6 +565,31 @@ def register_configs() -> None:
         for name, node in schemas.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
     _registered = True
+
+
+# --- rules across values ---------------------------------------------------------------------------------------------
+
+COSINE_SCHEDULER = "torch.optim.lr_scheduler.CosineAnnealingLR"
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Raise :class:`omegaconf.errors.ValidationError` (a configuration error: printed once, without a traceback) for
+    values that are each valid but do not work together: a cosine scheduler needs ``T_max >= 1`` epochs (its default
+    is ``trainer.max_epochs``, which is -1 for "no limit"); with less, the learning rate jumps between its initial
+    value and ``eta_min`` every epoch."""
+    scheduler = cfg.get("scheduler")
+    if not scheduler or OmegaConf.select(scheduler, "_target_") != COSINE_SCHEDULER:
+        return
+    t_max = OmegaConf.select(scheduler, "T_max")
+    if t_max is not None and t_max >= 1:
+        return
+    max_epochs = OmegaConf.select(cfg, "trainer.max_epochs")
+    raise ValidationError(
+        f"scheduler.T_max={t_max} (trainer.max_epochs={max_epochs}): the cosine scheduler decays the learning rate "
+        "over T_max epochs and needs T_max >= 1; with less, the learning rate alternates between its initial value "
+        "and eta_min every epoch. Set scheduler.T_max to the number of epochs to decay over, choose another "
+        "scheduler (scheduler=step), or set a finite trainer.max_epochs."
+    )
 
 
 # --- friendlier errors ------------------------------------------------------------------------------------------------

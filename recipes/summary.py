@@ -1,6 +1,10 @@
 """End-of-run summary (table, ``summary.json``, ``curves.png``) and the sweep comparison (``comparison.png``).
 
 Rank 0 only: the callers check the rank. Reads what Lightning's CSVLogger wrote (``<run dir>/csv/metrics.csv``).
+In a sweep, each point's outcome (completed or failed, with the error) is written to ``<job dir>/status.json`` as
+the point ends, and the comparison is rewritten then, over the points done so far: a point that fails (which makes
+Hydra's sweeper stop before its end-of-sweep callback) leaves the comparison of the others, with itself listed as
+failed.
 """
 
 from __future__ import annotations
@@ -9,10 +13,13 @@ import csv
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback as HydraCallback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
@@ -21,6 +28,8 @@ SUMMARY_FILE = "summary.json"
 CURVES_FILE = "curves.png"
 COMPARISON_PNG = "comparison.png"
 COMPARISON_CSV = "comparison.csv"
+STATUS_FILE = "status.json"
+COMPLETED, FAILED = "completed", "failed"
 
 
 # --- reading metrics --------------------------------------------------------------------------------------------------
@@ -183,24 +192,11 @@ def plot_curves(series: dict[str, list[tuple[float, float, float]]], path: str |
 
 
 def compare_sweep(sweep_dir: str | Path, objective: str | None = None) -> list[dict[str, Any]]:
-    """Collect every job's ``summary.json`` under ``sweep_dir``; write ``comparison.csv`` and ``comparison.png``."""
+    """Collect every job's ``summary.json`` and ``status.json`` under ``sweep_dir``; write ``comparison.csv`` and
+    ``comparison.png``. A job is listed as failed when its ``status.json`` says so (it then has no values)."""
     sweep_dir = Path(sweep_dir)
-    points: list[dict[str, Any]] = []
-    for summary_path in sorted(sweep_dir.glob(f"*/{SUMMARY_FILE}"), key=lambda p: _job_order(p.parent.name)):
-        summary = json.loads(summary_path.read_text())
-        name = objective or summary.get("objective", {}).get("name", "val/acc")
-        label = " ".join(summary.get("overrides", [])) or summary_path.parent.name
-        points.append(
-            {
-                "job": summary_path.parent.name,
-                "overrides": label,
-                "objective": name,
-                "value": summary.get("final", {}).get(name),
-                "best": summary.get("best", {}).get(name),
-                "fit_seconds": summary.get("fit_seconds"),
-                "curve": summary_path.parent / "csv" / "metrics.csv",
-            }
-        )
+    job_dirs = {path.parent for name in (SUMMARY_FILE, STATUS_FILE) for path in sweep_dir.glob(f"*/{name}")}
+    points = [_point(job, objective) for job in sorted(job_dirs, key=lambda p: _job_order(p.name))]
     if not points:
         log.warning("no %s under %s: nothing to compare", SUMMARY_FILE, sweep_dir)
         return points
@@ -209,16 +205,59 @@ def compare_sweep(sweep_dir: str | Path, objective: str | None = None) -> list[d
     common = set.intersection(*(set(s) for s in split)) if len(points) > 1 else set()
     for p, parts in zip(points, split, strict=True):
         p["label"] = " ".join(x for x in parts if x not in common) or p["overrides"]
-    with (sweep_dir / COMPARISON_CSV).open("w", newline="") as handle:
+    # Points that end together (a SLURM launcher) rewrite the files at once: each writes its own and renames it.
+    partial = sweep_dir / f".{COMPARISON_CSV}.{os.getpid()}"
+    with partial.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["job", "overrides", "objective", "final", "best", "fit_seconds"])
+        writer.writerow(["job", "status", "overrides", "objective", "final", "best", "fit_seconds", "error"])
         for p in points:
-            writer.writerow([p["job"], p["overrides"], p["objective"], p["value"], p["best"], p["fit_seconds"]])
+            row = [p["value"], p["best"], p["fit_seconds"], p["error"]]
+            writer.writerow([p["job"], p["status"], p["overrides"], p["objective"], *row])
+    os.replace(partial, sweep_dir / COMPARISON_CSV)
+    partial = sweep_dir / f".{os.getpid()}.{COMPARISON_PNG}"
     try:
-        plot_comparison(points, sweep_dir / COMPARISON_PNG)
+        plot_comparison(points, partial)
+        os.replace(partial, sweep_dir / COMPARISON_PNG)
     except Exception as exc:
         log.warning("could not plot the sweep comparison: %s", exc)
     return points
+
+
+def _point(job_dir: Path, objective: str | None) -> dict[str, Any]:
+    """One row of the comparison: the job's summary (if it wrote one) and its status (``completed`` without a
+    ``status.json``, as in sweeps that ran before these files existed)."""
+    summary = _read_json(job_dir / SUMMARY_FILE)
+    status = _read_json(job_dir / STATUS_FILE)
+    failed = status.get("status") == FAILED
+    name = objective or summary.get("objective", {}).get("name", "val/acc")
+    overrides = summary.get("overrides") or status.get("overrides") or []
+    return {
+        "job": job_dir.name,
+        "status": status.get("status", COMPLETED),
+        "overrides": " ".join(overrides) or job_dir.name,
+        "objective": name,
+        "value": None if failed else summary.get("final", {}).get(name),
+        "best": None if failed else summary.get("best", {}).get(name),
+        "fit_seconds": None if failed else summary.get("fit_seconds"),
+        "error": status.get("error", ""),
+        "curve": job_dir / "csv" / "metrics.csv",
+    }
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_status(job_dir: str | Path, overrides: list[str], error: BaseException | None) -> None:
+    """``<job_dir>/status.json``: how the sweep point ended (``completed``, or ``failed`` with the error's first
+    line)."""
+    status: dict[str, Any] = {"status": COMPLETED if error is None else FAILED, "overrides": list(overrides)}
+    if error is not None:
+        lines = str(error).strip().splitlines()
+        status["error"] = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / STATUS_FILE).write_text(json.dumps(status, indent=2, sort_keys=True) + "\n")
 
 
 def _job_order(name: str) -> tuple[int, str]:
@@ -236,12 +275,14 @@ def plot_comparison(points: list[dict[str, Any]], path: str | Path) -> None:
     fig, (ax_bar, ax_curve) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"#{p['job']}: {p.get('label', p['overrides'])}" for p in points]
     values = [p["value"] if p["value"] is not None else 0.0 for p in points]
-    bars = ax_bar.barh(range(len(points)), values, color="tab:blue")
+    colors = ["tab:red" if p.get("status") == FAILED else "tab:blue" for p in points]
+    bars = ax_bar.barh(range(len(points)), values, color=colors)
     ax_bar.set_yticks(range(len(points)), labels, fontsize=8)
     ax_bar.invert_yaxis()
     ax_bar.set_xlabel(f"final {objective}")
-    for bar, value in zip(bars, values, strict=True):
-        ax_bar.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:.4f}", va="center", fontsize=8)
+    for bar, p in zip(bars, points, strict=True):
+        text = FAILED if p.get("status") == FAILED else "n/a" if p["value"] is None else f"{p['value']:.4f}"
+        ax_bar.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {text}", va="center", fontsize=8)
     for p, label in zip(points, labels, strict=True):
         series = read_metrics(p["curve"])
         key = _epoch_key(series, objective)
@@ -260,18 +301,39 @@ def plot_comparison(points: list[dict[str, Any]], path: str | Path) -> None:
 
 
 class SweepSummaryCallback(HydraCallback):
-    """Hydra callback: after a multirun, rank 0 (or the submitting process) writes the sweep comparison."""
+    """Hydra callback, rank 0 (or the submitting process) only: as each sweep point ends, its ``status.json`` and
+    the comparison of the points done so far; after the sweep, the comparison once more (a sweeper that runs its
+    points elsewhere, such as submitit's, ends its points in other processes)."""
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        from mpistrategy.recipes.hydra_mpi import rank
+
+        if rank() != 0 or OmegaConf.select(config, "hydra.mode") != RunMode.MULTIRUN:
+            return
+        # the failed job's exception; reading ``return_value`` would raise it (the sweeper does that, later)
+        error = job_return._return_value if job_return.status == JobStatus.FAILED else None
+        job_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
+        overrides = list(OmegaConf.select(config, "hydra.overrides.task", default=None) or [])
+        try:
+            write_status(job_dir, overrides, error)
+            self._compare(config)
+        except Exception as exc:  # the comparison must never fail a sweep point
+            log.warning("could not write the sweep comparison: %s", exc)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from mpistrategy.recipes.hydra_mpi import rank
 
         if rank() != 0:
             return
-        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
-        objective = OmegaConf.select(config, "objective", default=None)
-        points = compare_sweep(sweep_dir, objective)
+        points = self._compare(config)
         if points:
+            sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
             log.info("sweep comparison of %d points: %s", len(points), Path(sweep_dir) / COMPARISON_PNG)
+
+    @staticmethod
+    def _compare(config: DictConfig) -> list[dict[str, Any]]:
+        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+        return compare_sweep(sweep_dir, OmegaConf.select(config, "objective", default=None))
 
 
 def main(argv: list[str] | None = None) -> int:

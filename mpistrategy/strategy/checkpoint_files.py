@@ -14,8 +14,9 @@ complete new one, also after a crash.
 Verifying. A sealed file must hash to its digest. A torch zip archive without a seal (written by something else)
 must pass the CRC-32 of each of its entries. An empty file, an archive cut short (no end record, or a shorter
 comment), a digest or CRC mismatch, or a file that cannot be read raise :class:`CorruptCheckpointError`, which
-names the file, the problem, and the newest older checkpoint in the same folder that passes these checks. Other
-files (not zip archives) are left to the loader.
+names the file, the problem, and the newest older checkpoint in the same folder that passes these checks. A path
+with no file is not a corrupt checkpoint: :func:`verify` raises ``FileNotFoundError`` for it. Other files (not zip
+archives) are left to the loader.
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ def _sha256(handle, length: int) -> str:
 
 
 def verify(path: str) -> None:
-    """Raise :class:`CorruptCheckpointError` if ``path`` is damaged (see the module doc); return if it is sound."""
+    """Raise :class:`CorruptCheckpointError` if ``path`` is damaged (see the module doc), ``FileNotFoundError`` if
+    there is no file there; return if it is sound."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
     problem = find_problem(path)
     if problem is not None:
         raise CorruptCheckpointError(corrupt_message(path, problem, older_sound_checkpoint(path)))

@@ -9,10 +9,13 @@ Writing: rank 0, atomically and sealed with a SHA-256 (:mod:`~mpistrategy.strate
 paths; a remote path (an fsspec URL) or an asynchronous checkpoint IO gets the checkpoint as it is.
 :func:`write_on_rank_zero` (Fabric's ``save``) also tells every rank whether the write succeeded.
 
-Reading: every rank verifies and loads the file it sees, and the ranks agree on the outcome (one allgather): a
-corrupt or unreadable file, or a load that fails on some rank only, raises on every rank (marked so, so that the
-strategy does not abort and no rank waits). When some rank cannot see the file, rank 0 verifies and loads it and
-broadcasts the checkpoint.
+Reading: one allgather exchanges every rank's path and whether it sees the file there. Paths that differ between
+ranks (local ones compared by ``os.path.abspath``, remote ones as given) raise a ``ValueError`` naming each rank's
+path; a file that no rank sees raises ``FileNotFoundError``. When every rank sees it, every rank verifies and loads
+the file it sees, and the ranks agree on the outcome (a second allgather): a corrupt or unreadable file, or a load
+that fails on some rank only, raises on every rank. When only some ranks see it, the lowest of them verifies and
+loads it and broadcasts the checkpoint (or its failure). Every one of these errors is raised on every rank and
+marked so, so that the strategy does not abort and no rank waits.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def write(checkpoint: Checkpoint, filepath: Any, save: Callable[[Checkpoint, Any
     if _is_remote(path) or asynchronous:
         save(checkpoint, filepath)
         return
-    checkpoint_files.write_atomically(path.removeprefix("file://"), lambda temporary: save(checkpoint, temporary))
+    checkpoint_files.write_atomically(_local(path), lambda temporary: save(checkpoint, temporary))
 
 
 def write_on_rank_zero(
@@ -82,26 +85,48 @@ def write_on_rank_zero(
 def read(checkpoint_path: Any, load: Callable[[Any], Checkpoint], comm: MPI.Intracomm) -> Checkpoint:
     """Collective: the checkpoint, verified and loaded on every rank (see the module doc)."""
     path = os.fspath(checkpoint_path)
-    single = comm.Get_size() == 1
-    visible = _is_remote(path) or os.path.exists(path.removeprefix("file://"))
+    visible = _is_remote(path) or os.path.exists(_local(path))
+    views = [(_identity(path), visible)] if comm.Get_size() == 1 else comm.allgather((_identity(path), visible))
+    _raise_if_paths_differ([identity for identity, _ in views])
+    seeing = [rank for rank, (_, sees) in enumerate(views) if sees]
+    if not seeing:
+        where = "" if len(views) == 1 else f" (none of the {len(views)} ranks sees it)"
+        raise failures.mark_raised_on_every_rank(FileNotFoundError(f"Checkpoint file not found: {path}{where}"))
     error: Exception | None = None
-    if single or comm.allreduce(visible, op=MPI.LAND):
+    if len(seeing) == len(views):
         checkpoint, failure, error = _verify_and_load(path, load)
-        failures_by_rank = [failure] if single else comm.allgather(failure)
+        failures_by_rank = [failure] if len(views) == 1 else comm.allgather(failure)
     else:
-        checkpoint, failure, error = _verify_and_load(path, load) if comm.Get_rank() == 0 else (None, None, None)
-        checkpoint, failure = comm.bcast((checkpoint, failure), root=0)
-        failures_by_rank = [failure] + [None] * (comm.Get_size() - 1)
-    _raise_if_any_failed(path, failures_by_rank, error, comm)
+        root = seeing[0]
+        checkpoint, failure, error = _verify_and_load(path, load) if comm.Get_rank() == root else (None, None, None)
+        checkpoint, failure = comm.bcast((checkpoint, failure), root=root)
+        failures_by_rank = [failure if rank == root else None for rank in range(len(views))]
+    _raise_if_any_failed(path, failures_by_rank, error, comm, every_rank_checked=len(seeing) == len(views))
     assert checkpoint is not None
     return checkpoint
+
+
+def _raise_if_paths_differ(identities: list[str]) -> None:
+    """Raise on every rank (each rank has every path) if the ranks were given different checkpoints."""
+    if len(set(identities)) == 1:
+        return
+    ranks_by_path: dict[str, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        ranks_by_path.setdefault(identity, []).append(rank)
+    given = "; ".join(f"rank(s) {ranks}: {identity}" for identity, ranks in ranks_by_path.items())
+    raise failures.mark_raised_on_every_rank(
+        ValueError(
+            f"The ranks were given different checkpoint paths ({given}): each would load its own file and the "
+            "replicas would differ. Pass the same ckpt_path on every rank."
+        )
+    )
 
 
 def _verify_and_load(
     path: str, load: Callable[[Any], Checkpoint]
 ) -> tuple[Checkpoint | None, Failure | None, Exception | None]:
     if not _is_remote(path):
-        problem = checkpoint_files.find_problem(path.removeprefix("file://"))
+        problem = checkpoint_files.find_problem(_local(path))
         if problem is not None:
             return None, ("corrupt", problem), None
     try:
@@ -111,11 +136,15 @@ def _verify_and_load(
 
 
 def _raise_if_any_failed(
-    path: str, failures_by_rank: list[Failure | None], mine: Exception | None, comm: MPI.Intracomm
+    path: str,
+    failures_by_rank: list[Failure | None],
+    mine: Exception | None,
+    comm: MPI.Intracomm,
+    every_rank_checked: bool,
 ) -> None:
     """Raise on every rank if reading failed on any: a corrupt file as :class:`CorruptCheckpointError` (naming an
-    older sound checkpoint), a failed load as the loader's own exception where it happened, else as a
-    ``RuntimeError`` naming the rank."""
+    older sound checkpoint, and the ranks that found it when every rank checked its own file and some passed), a
+    failed load as the loader's own exception where it happened, else as a ``RuntimeError`` naming the rank."""
     failing = [rank for rank, failure in enumerate(failures_by_rank) if failure is not None]
     if not failing:
         return
@@ -123,7 +152,7 @@ def _raise_if_any_failed(
     kind, detail = failures_by_rank[first]  # type: ignore[misc]
     if kind == "corrupt":
         message = checkpoint_files.corrupt_message(path, detail, _older_sound_checkpoint(path, first, comm))
-        if len(failing) < len(failures_by_rank):
+        if every_rank_checked and len(failing) < len(failures_by_rank):
             message += (
                 f" (found on rank(s) {failing}; the other ranks' file passes: the ranks do not see the same file)"
             )
@@ -137,7 +166,7 @@ def _raise_if_any_failed(
 
 def _older_sound_checkpoint(path: str, finder: int, comm: MPI.Intracomm) -> str | None:
     """Collective: rank ``finder`` looks for an older sound checkpoint next to ``path``; every rank gets its answer."""
-    found = checkpoint_files.older_sound_checkpoint(path.removeprefix("file://")) if comm.Get_rank() == finder else None
+    found = checkpoint_files.older_sound_checkpoint(_local(path)) if comm.Get_rank() == finder else None
     return found if comm.Get_size() == 1 else comm.bcast(found, root=finder)
 
 
@@ -161,3 +190,12 @@ def random_state_of(checkpoint: Checkpoint, rank: int, world_size: int) -> rando
 
 def _is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
+
+
+def _local(path: str) -> str:
+    return path.removeprefix("file://")
+
+
+def _identity(path: str) -> str:
+    """What the ranks compare: a local path made absolute (each rank's own working folder), a remote one as given."""
+    return path if _is_remote(path) else os.path.abspath(_local(path))

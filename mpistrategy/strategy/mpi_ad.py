@@ -312,9 +312,10 @@ class MPIADStrategyMixin(MPIStrategyBase):
             sharded_files.remove(path)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Collective: every rank verifies and reads the checkpoint (rank 0 reads and broadcasts it if some rank
-        cannot see the file); a corrupt file raises :class:`~mpistrategy.strategy.checkpoint_files.
-        CorruptCheckpointError` on every rank."""
+        """Collective: every rank verifies and reads the checkpoint (the lowest rank that sees the file reads and
+        broadcasts it if some rank cannot see it); a corrupt file raises :class:`~mpistrategy.strategy.
+        checkpoint_files.CorruptCheckpointError`, a file no rank sees ``FileNotFoundError`` and different paths on
+        different ranks ``ValueError``, on every rank (:func:`~mpistrategy.strategy.checkpoints.read`)."""
         load = functools.partial(self.checkpoint_io.load_checkpoint, weights_only=weights_only)
         checkpoint = checkpoints.read(checkpoint_path, load, self.topology.control)
         self._checkpoint_path = os.fspath(checkpoint_path).removeprefix("file://")

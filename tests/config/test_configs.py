@@ -187,6 +187,24 @@ def test_a_bad_strategy_option_names_the_accepted_ones(tmp_path: Path) -> None:
         mpi_ad_strategy(stop_signals=["SIGFOO"])
 
 
+def test_a_cosine_scheduler_without_a_length_fails_naming_t_max_and_the_fix(tmp_path: Path) -> None:
+    from omegaconf.errors import ValidationError
+
+    from mpistrategy.recipes.builders import build_run
+    from mpistrategy.recipes.config import check_values
+    from mpistrategy.recipes.train import _is_config_error
+
+    for overrides, t_max in ((["trainer.max_epochs=-1"], -1), (["scheduler.T_max=0"], 0)):
+        with pytest.raises(ValidationError) as info:
+            build_run(_compose(overrides, tmp_path))
+        message = explain(info.value)
+        assert message.startswith(f"scheduler.T_max={t_max} (trainer.max_epochs="), message
+        assert "Set scheduler.T_max" in message and "a finite trainer.max_epochs" in message
+        assert _is_config_error(info.value)  # printed once by rank 0, without a traceback
+    for fine in (["trainer.max_epochs=-1", "scheduler.T_max=5"], ["trainer.max_epochs=-1", "scheduler=step"]):
+        check_values(_compose(fine, tmp_path))
+
+
 def _env() -> dict[str, str]:
     import os
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from mpistrategy.launch import mpiexec_command
-from tests.recipes._cli import run, train_command
+from tests.recipes._cli import clean_env, run, train_command
 
 FAST = ["experiment=debug", "trainer.max_epochs=2", "trainer.limit_val_batches=1"]
 
@@ -40,33 +41,44 @@ def test_a_two_rank_run_writes_one_run_dir_with_one_config_copy_and_one_set_of_l
     assert result.stdout.count("Run summary") == 1
 
 
-def test_a_three_point_sweep_under_mpiexec_gives_three_results_and_a_comparison_plot(tmp_path: Path) -> None:
-    result = run(
-        [*mpiexec_command(), "-n", "2", *train_command(), "-m", "model.hidden=16,32,64", *FAST],
+def test_a_three_point_sweep_under_mpiexec_compares_its_points_and_lists_a_failed_one(tmp_path: Path) -> None:
+    """Point 1 (``trainer.max_epochs=-1``: no length for the cosine scheduler) fails while building, on every rank:
+    the sweep goes on, the error is printed once, every rank exits 1, and the comparison lists the point as failed
+    (written as each point ends: Hydra's sweeper raises the failure before its end-of-sweep callback)."""
+    command = [*mpiexec_command(), "-n", "2", *train_command(), "-m", "trainer.max_epochs=2,-1,1", *FAST[:1], *FAST[2:]]
+    result = subprocess.run(
+        command,
         cwd=tmp_path,
+        capture_output=True,
+        text=True,
         timeout=420,
-        MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"),
-        MPISTRATEGY_RANK_LOGS="1",
+        env=clean_env(MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"), MPISTRATEGY_RANK_LOGS="1"),
     )
+    assert result.returncode == 1, result.stderr[-6000:]
+    assert result.stderr.count("scheduler.T_max=-1 (trainer.max_epochs=-1)") == 1, result.stderr[-6000:]
+    assert "Traceback" not in result.stderr
     sweeps = list((tmp_path / "logs" / "debug" / "multiruns").iterdir())
     assert len(sweeps) == 1, sweeps
     sweep = sweeps[0]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1", "2"]
-    for job, hidden in zip(jobs, (16, 32, 64), strict=True):
-        summary = json.loads((job / "summary.json").read_text())
-        assert f"model.hidden={hidden}" in summary["overrides"]
+    for job, epochs in zip(jobs, (2, -1, 1), strict=True):
         assert (job / ".hydra" / "config.yaml").is_file()
-        assert (job / "csv" / "metrics.csv").is_file()
         # Per-rank logs (MPISTRATEGY_RANK_LOGS=1) are named by rank: rank 1 ran this same point in this same dir.
         assert sorted(p.name for p in job.glob("*.log")) == ["train.log", "train.rank1.log"]
-        assert f"rank 1 of 2: debug model.hidden={hidden} " in (job / "train.rank1.log").read_text()
+        assert f"rank 1 of 2: debug trainer.max_epochs={epochs} " in (job / "train.rank1.log").read_text()
+        if epochs > 0:
+            summary = json.loads((job / "summary.json").read_text())
+            assert f"trainer.max_epochs={epochs}" in summary["overrides"] and summary["epochs"] == epochs
+            assert (job / "csv" / "metrics.csv").is_file()
+    assert not (jobs[1] / "summary.json").exists()
     assert [p.name for p in sweep.glob("*.yaml")] == ["multirun.yaml"]
     assert (sweep / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with (sweep / "comparison.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert [row["job"] for row in rows] == ["0", "1", "2"]
-    assert all(row["objective"] == "val/acc" and float(row["final"]) >= 0 for row in rows)
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "failed"), ("2", "completed")]
+    assert all(row["objective"] == "val/acc" and float(row["final"]) >= 0 for row in (rows[0], rows[2]))
+    assert rows[1]["final"] == "" and rows[1]["error"].startswith("ValidationError: scheduler.T_max=-1")
     assert result.stdout.count("Launching 3 jobs locally") == 1  # Hydra's own messages: rank 0 only
 
 

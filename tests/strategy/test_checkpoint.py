@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import signal
 import struct
 import zipfile
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mpistrategy.aggregation import GradBucket, MeanAggregator
-from mpistrategy.strategy import checkpoint_files
+from mpistrategy.strategy import checkpoint_files, checkpoints
 from mpistrategy.strategy.checkpoint_files import SEAL_PREFIX, CorruptCheckpointError
 from mpistrategy.strategy.mpi_ad import CHECKPOINT_KEY, MPIADStrategy
 from mpistrategy.strategy.resumable import make_resumable
@@ -86,11 +87,11 @@ def test_resume_continues_the_same_trajectory() -> None:
 
 
 @pytest.mark.mpi(ranks=(2,), timeout=60)
-def test_checkpoint_only_rank_zero_can_see_is_broadcast() -> None:
+def test_checkpoint_only_rank_zero_can_see_is_broadcast(monkeypatch: pytest.MonkeyPatch) -> None:
     directory = shared_tmpdir()
     _fit(directory, epochs=1, seed=3)
     path = os.path.join(directory, "epoch=0.ckpt")
-    mine = path if RANK == 0 else os.path.join(directory, f"missing-on-rank-{RANK}.ckpt")
+    mine = _per_rank_view(monkeypatch, path if RANK == 0 else None)
     strategy = trainer().strategy
     checkpoint = strategy.load_checkpoint(mine)
     reference = COMM.bcast(torch.load(path, weights_only=False)["state_dict"] if RANK == 0 else None, root=0)
@@ -243,14 +244,82 @@ def test_a_corrupt_checkpoint_is_refused_on_every_rank_naming_an_older_sound_one
     assert_same_on_all_ranks(torch.tensor([len(message)]), "the error message")
 
 
+def _per_rank_view(monkeypatch: pytest.MonkeyPatch, source: str | None) -> str:
+    """One path that names another file on each rank, as a node-local folder would: ``/proc/self/cwd/view.ckpt``,
+    with this rank's working folder holding a copy of ``source`` there (nothing where ``source`` is ``None``)."""
+    folder = os.path.join(shared_tmpdir(), f"rank{RANK}")
+    os.makedirs(folder)
+    if source is not None:
+        shutil.copyfile(source, os.path.join(folder, "view.ckpt"))
+    monkeypatch.chdir(folder)
+    COMM.Barrier()
+    return "/proc/self/cwd/view.ckpt"
+
+
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
-def test_a_checkpoint_corrupt_on_one_rank_only_is_refused_on_every_rank() -> None:
+def test_a_checkpoint_corrupt_on_one_rank_only_is_refused_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     corrupt = _corrupt_copy("bit-flips")
     _, newest = _sound_checkpoints()
-    mine = corrupt if RANK == SIZE - 1 else newest  # as if the last rank's node saw a damaged copy
+    path = _per_rank_view(monkeypatch, corrupt if RANK == SIZE - 1 else newest)  # the last rank's node saw damage
     fit = trainer(strategy=MPIADStrategy(), max_epochs=3)
     with pytest.raises(CorruptCheckpointError, match=f"found on rank\\(s\\) \\[{SIZE - 1}\\]"):
+        fit.fit(Regressor(mlp(seed=2)), loader(regression_data(SIZE * 12), 4), ckpt_path=path)
+
+
+def _flat_weights(checkpoint: dict[str, Any]) -> torch.Tensor:
+    return torch.cat([tensor.flatten() for tensor in checkpoint["state_dict"].values()])
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_a_checkpoint_only_some_ranks_see_is_read_by_the_lowest_of_them_and_sent_to_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    corrupt = _corrupt_copy("bit-flips")
+    _, newest = _sound_checkpoints()
+    path = _per_rank_view(monkeypatch, None if RANK == 0 else newest)  # rank 0's node does not have the file
+    loaded_here: list[str] = []
+
+    def load(where: str) -> dict[str, Any]:
+        loaded_here.append(where)
+        return torch.load(where, weights_only=False)
+
+    checkpoint = checkpoints.read(path, load, COMM)
+    assert COMM.allgather(len(loaded_here)) == [0, 1] + [0] * (SIZE - 2)  # rank 1 read it, the others received it
+    assert checkpoint["global_step"] == torch.load(newest, weights_only=False)["global_step"] > 0
+    assert_same_on_all_ranks(_flat_weights(checkpoint), "the checkpoint's weights")
+
+    COMM.Barrier()
+    if RANK == 1:
+        shutil.copyfile(corrupt, path)  # the one rank that reads it sees a damaged file
+    COMM.Barrier()
+    with pytest.raises(CorruptCheckpointError) as refused:
+        checkpoints.read(path, load, COMM)
+    assert f"Checkpoint {path} is corrupt: its contents do not match the SHA-256" in str(refused.value)
+    assert "found on rank" not in str(refused.value)  # only rank 1 checked a file: no other rank's file passed
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_different_checkpoint_paths_on_the_ranks_are_refused_on_every_rank_naming_each() -> None:
+    first, newest = _sound_checkpoints()
+    fit = trainer(strategy=MPIADStrategy(), max_epochs=3)
+    mine = first if RANK == 0 else newest
+    with pytest.raises(ValueError, match="Pass the same ckpt_path on every rank") as refused:
         fit.fit(Regressor(mlp(seed=2)), loader(regression_data(SIZE * 12), 4), ckpt_path=mine)
+    others = list(range(1, SIZE))
+    assert f"rank(s) [0]: {first}; rank(s) {others}: {newest}" in str(refused.value)
+    # The same file spelled differently on each rank (relative, file://) is one checkpoint.
+    spelling = os.path.relpath(newest) if RANK == 0 else f"file://{newest}"
+    checkpoint = checkpoints.read(spelling, lambda where: torch.load(where.removeprefix("file://")), COMM)
+    assert checkpoint["epoch"] == torch.load(newest, weights_only=False)["epoch"] == 1
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_a_checkpoint_no_rank_sees_raises_file_not_found_on_every_rank() -> None:
+    path = os.path.join(shared_tmpdir(), "missing.ckpt")
+    fit = trainer(strategy=MPIADStrategy(), max_epochs=3)
+    with pytest.raises(FileNotFoundError) as refused:
+        fit.fit(Regressor(mlp(seed=2)), loader(regression_data(SIZE * 12), 4), ckpt_path=path)
+    assert str(refused.value) == f"Checkpoint file not found: {path} (none of the {SIZE} ranks sees it)"
 
 
 def test_an_interrupted_write_leaves_the_previous_file_and_no_temporary(tmp_path) -> None:

@@ -230,8 +230,15 @@ def consolidate(path: str, out: str | None = None) -> dict[str, Any]:
     """The checkpoint at ``path`` with every sharded optimizer's manifest replaced by its consolidated, plain
     ``state_dict()`` (one process, no MPI; a damaged file raises :class:`CorruptCheckpointError`): loadable by any
     strategy, or for inference. Written to ``out`` (atomically, sealed) when given. Trainer checkpoints keep their
-    ``optimizer_states`` list; in Fabric checkpoints every top-level entry that is a manifest is consolidated."""
+    ``optimizer_states`` list; in Fabric checkpoints every top-level entry that is a manifest is consolidated.
+    ``out`` must be another file than ``path`` (``ValueError``: writing over the sharded checkpoint would orphan its
+    shard files); a missing ``path`` raises ``FileNotFoundError``."""
     verify(path)
+    if out is not None and _same_file(path, out):
+        raise ValueError(
+            f"the output {out} is the checkpoint {path} itself: writing it would replace the sharded checkpoint and "
+            f"orphan its shard files ({path}.shards/). Give another output path."
+        )
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     reader = ShardReader(path)
     entries = checkpoint.get("optimizer_states")
@@ -242,6 +249,13 @@ def consolidate(path: str, out: str | None = None) -> dict[str, Any]:
     if out is not None:
         write_atomically(out, lambda temporary: torch.save(checkpoint, temporary))
     return checkpoint
+
+
+def _same_file(path: str, other: str) -> bool:
+    """Whether ``other`` names the file at ``path``: another spelling of it, or a link to it."""
+    if os.path.realpath(other) == os.path.realpath(path):
+        return True
+    return os.path.exists(other) and os.path.samefile(path, other)
 
 
 def _plain(entry: Any, reader: ShardReader) -> Any:

@@ -2,7 +2,9 @@
 
 The sharded optimizers' manifests in CHECKPOINT are replaced by their whole ``state_dict()``, read from the shard
 files beside it (``CHECKPOINT.shards/``, every file verified); OUT is written atomically and sealed, and loads into
-any strategy (``Trainer(strategy="ddp")``, a plain ``torch.load``) or serves inference.
+any strategy (``Trainer(strategy="ddp")``, a plain ``torch.load``) or serves inference. OUT must be another file than
+CHECKPOINT (writing over it would orphan its shard files). A missing, damaged or unreadable file, or OUT naming
+CHECKPOINT, is printed as one line and the command exits 1.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     try:
         consolidate(arguments.checkpoint, arguments.out)  # verifies every file it reads
-    except (OSError, CorruptCheckpointError) as problem:
+    except (OSError, ValueError, CorruptCheckpointError) as problem:
         print(f"mpistrategy-consolidate: {problem}", file=sys.stderr)
         return 1
     print(f"wrote {arguments.out}")

@@ -1,6 +1,7 @@
 """Checkpoints of sharded optimizers: a stop and resume ends bit for bit where an uninterrupted run ends; a checkpoint
 loads on another number of ranks (re-sharded), also into an unsharded run, with the state ``consolidate`` gives;
-damaged shard files are refused on every rank."""
+damaged shard files are refused on every rank; ``mpistrategy-consolidate`` refuses to write over its input and names
+a missing one."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from mpistrategy.strategy import checkpoint_files
 from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.strategy.sharding.checkpoint import KEY, consolidate
+from mpistrategy.strategy.sharding.cli import main as consolidate_main
 from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
 from tests.strategy.helpers import COMM, RANK, loader, shared_tmpdir, trainer
 from tests.strategy.resume import assert_same_training_state, fit_noisy, stop_then_resume
@@ -98,3 +101,29 @@ def test_resume_on_another_number_of_ranks_has_the_consolidated_state(saved_at: 
     _assert_same_state(loaded["restored"], plain)
     _assert_same_state(loaded["restored_unsharded"], plain)
     torch.testing.assert_close(loaded["sharded_params"], loaded["unsharded_params"], rtol=0, atol=1e-6)
+
+
+def test_consolidate_refuses_to_write_over_its_checkpoint_and_names_a_missing_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "x.ckpt"
+    torch.save({"optimizer_states": [{"state": {}, "param_groups": []}]}, path)
+    (tmp_path / "x.ckpt.shards").mkdir()
+    saved = path.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    os.symlink(path, tmp_path / "link.ckpt")
+    for out in (str(path), "./x.ckpt", "link.ckpt"):  # the file itself, spelled otherwise, through a link
+        assert consolidate_main([str(path), out]) == 1
+        assert capsys.readouterr().err == (
+            f"mpistrategy-consolidate: the output {out} is the checkpoint {path} itself: writing it would replace the "
+            f"sharded checkpoint and orphan its shard files ({path}.shards/). Give another output path.\n"
+        )
+    assert path.read_bytes() == saved and (tmp_path / "link.ckpt").is_symlink()
+
+    assert consolidate_main([str(path), "plain.ckpt"]) == 0  # another file: written, sealed
+    assert checkpoint_files.find_problem(str(tmp_path / "plain.ckpt")) is None
+    capsys.readouterr()
+    missing = str(tmp_path / "missing.ckpt")  # next to sound checkpoints, which have nothing to do with it
+    assert consolidate_main([missing, "out.ckpt"]) == 1
+    assert capsys.readouterr().err == f"mpistrategy-consolidate: Checkpoint file not found: {missing}\n"
+    assert not (tmp_path / "out.ckpt").exists()
