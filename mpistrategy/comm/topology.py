@@ -196,6 +196,19 @@ def check_launch(world_size: int | None = None) -> None:
         )
 
 
+def ready_for_objects(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """``comm`` (``MPI.COMM_NULL`` passes), with mpi4py's context for object reductions made now: collective.
+
+    mpi4py makes that context at a communicator's first ``comm.allreduce``, ``reduce``, ``scan`` or ``exscan`` of
+    Python objects, by an ``MPI_Comm_dup`` during which it holds the GIL. A rank that reaches such a call while the
+    others wait in another collective would block there with its stall watchdog unable to run, so the stall report
+    could only say that it did not answer; made here, where every rank builds the communicator, the later calls
+    wait without the GIL and the rank answers with its stack."""
+    if comm != MPI.COMM_NULL:
+        comm.allreduce(0)
+    return comm
+
+
 def _build(world: MPI.Intracomm, ranks_per_node: int | None) -> Topology:
     rank, size = world.Get_rank(), world.Get_size()
     shared = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -229,10 +242,10 @@ def _build(world: MPI.Intracomm, ranks_per_node: int | None) -> Topology:
         machine_size=machine_size,
         hostname=hostname,
         main_address=main_address,
-        node_comm=node_comm,  # type: ignore[arg-type]  # mpi4py types Split's result as Comm
-        leader_comm=leader_comm,  # type: ignore[arg-type]
-        cross_comm=cross_comm,  # type: ignore[arg-type]
-        control=world.Dup(),
+        node_comm=ready_for_objects(node_comm),  # type: ignore[arg-type]  # mpi4py types Split's result as Comm
+        leader_comm=ready_for_objects(leader_comm),  # type: ignore[arg-type]
+        cross_comm=ready_for_objects(cross_comm),  # type: ignore[arg-type]
+        control=ready_for_objects(world.Dup()),
         gradients=Communicator(world.Dup()),
         node_gradients=Communicator(node_comm.Dup()),
         leader_gradients=Communicator(leader_comm.Dup()) if leader_comm != MPI.COMM_NULL else None,

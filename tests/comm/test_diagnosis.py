@@ -123,6 +123,25 @@ def test_an_unknown_stall_action_is_refused() -> None:
         set_stall_timeout(stall_timeout(), "exit")
 
 
+def test_a_rank_waiting_in_an_object_reduction_on_a_strategy_communicator_answers(tmp_path: Path) -> None:
+    """mpi4py makes a communicator's context for object reductions at the first one, holding the GIL while it
+    waits for the other ranks; the strategy's communicators have it made when they are built, so a rank whose
+    peers never join such a reduction (Lightning's reduce_boolean_decision after an uneven epoch) still answers."""
+    code, output, _ = run_mpi_job(
+        SCRIPT,
+        2,
+        "objects",
+        timeout=90,
+        MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT),
+        MPISTRATEGY_FLIGHT_DIR=str(tmp_path),
+    )
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    report = output[output.index("stall (reported on rank 0)") :]
+    assert "did not answer" not in report, report[:3000]
+    assert re.search(rf"rank 1 \(.*\): not in a collective, now at \S*{_line_of('objects')} \(in <module>\)", report)
+    assert sorted(path.name for path in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
 def test_a_rank_that_cannot_answer_is_named_and_aborted(tmp_path: Path) -> None:
     """A rank holding the GIL in a C call cannot answer: the others name it, and the lowest of them ends it with
     MPI_Abort (mpiexec reports 86 or the SIGKILL that ended the silent rank)."""

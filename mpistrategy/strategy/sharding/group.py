@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from mpistrategy.comm.topology import Topology
+from mpistrategy.comm.topology import Topology, ready_for_objects
 
 
 @dataclass
@@ -57,7 +57,8 @@ def shard_group(topology: Topology, per_node: bool) -> ShardGroup:
 
 def _build(topology: Topology, per_node: bool) -> ShardGroup:
     if not per_node:
-        comm = topology.control.Dup()
+        comm = ready_for_objects(topology.control.Dup())
         return ShardGroup(comm, None, comm, topology.size, True)
-    cross = topology.cross_comm.Dup() if topology.num_nodes > 1 else None
-    return ShardGroup(topology.node_comm.Dup(), cross, topology.control.Dup(), topology.size, topology.node_rank == 0)
+    cross = ready_for_objects(topology.cross_comm.Dup()) if topology.num_nodes > 1 else None
+    shard = ready_for_objects(topology.node_comm.Dup())
+    return ShardGroup(shard, cross, ready_for_objects(topology.control.Dup()), topology.size, topology.node_rank == 0)

@@ -2,7 +2,8 @@
 
 argv[1]: how the late rank (the last one) fails to arrive: "sleep" (a C call) or "spin" (a Python loop); "late"
 sleeps 8 s and then arrives (for the watchdog's warn mode); "gil" holds the GIL in a C call (a regular expression
-that backtracks for minutes), so that its watchdog cannot answer. Neither runs the desync cases.
+that backtracks for minutes), so that its watchdog cannot answer; "objects" waits in mpi4py's object allreduce on
+the strategy's control communicator, which the others never join. None of the last three runs the desync cases.
 Each caught error is printed as ``CAUGHT <rank> <message>``; ``HANG <time>`` marks when the stall begins.
 """
 
@@ -14,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 import mpistrategy as ms
+from mpistrategy.comm.topology import topology
 
 rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 late = size - 1
@@ -59,7 +61,8 @@ def behind() -> None:
 
 
 pending: list[ms.Handle] = []
-if sys.argv[1] not in ("late", "gil"):
+control = topology().control  # built by every rank (collective)
+if sys.argv[1] not in ("late", "gil", "objects"):
     attempt("different_ops", different_ops)
     attempt("other_arguments", other_arguments)
     attempt("skipped_call", skipped_call)
@@ -77,6 +80,8 @@ if rank == late:
         time.sleep(8)
     elif sys.argv[1] == "gil":
         re.match(r"(a+)+$", "a" * 40 + "b")  # marker: gil
+    elif sys.argv[1] == "objects":
+        control.allreduce(1)  # marker: objects
     elif sys.argv[1] == "sleep":
         time.sleep(120)  # marker: sleep
     else:
