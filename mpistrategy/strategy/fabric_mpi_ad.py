@@ -101,7 +101,8 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         self._sync_template = copy.deepcopy(self.sync)
         self._aggregator_template = copy.deepcopy(self.aggregator)
         self._engines: list[tuple[nn.Module, DataParallelEngine]] = []
-        self._pending_states: list[dict[str, Any]] = []
+        # engine states of the last load for models not set up yet: (the model it names, or None for setup order)
+        self._pending_states: list[tuple[nn.Module | None, dict[str, Any]]] = []
         self._routed: list[tuple[torch.optim.Optimizer, type]] = []  # optimizers given a routed class, their own
 
     @property
@@ -154,11 +155,21 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         for optimizer in optimizers:
             engine.attach_optimizer(optimizer)
             self._route_zero_grad(optimizer)
-        index = len(self._engines)
         self._engines.append((module, engine))
-        if index < len(self._pending_states):
-            engine.load_state_dict(self._pending_states[index])
-            engine.restore_replica(self._pending_states[index])
+        pending = self._pending_state_of(module, len(self._engines) - 1)
+        if pending is not None:
+            engine.load_state_dict(pending)
+            engine.restore_replica(pending)
+
+    def _pending_state_of(self, module: nn.Module, index: int) -> dict[str, Any] | None:
+        """The state the last load kept for ``module`` (set up ``index``-th): the one that names it, else the one
+        saved by the ``index``-th engine if it names no model of that load."""
+        for target, engine_state in self._pending_states:
+            if target is module:
+                return engine_state
+        if index < len(self._pending_states) and self._pending_states[index][0] is None:
+            return self._pending_states[index][1]
+        return None
 
     def _route_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``zero_grad`` of the wrapper Fabric puts around ``optimizer`` the engine's.
@@ -254,7 +265,8 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         checkpoint = self._convert_stateful_objects_in_state(unsharded, filter=filter or {})
         engine_states = [engine.state_dict() for _, engine in self._engines]
         if any(_carries_state(engine_state) for engine_state in engine_states):
-            checkpoint[checkpoints.KEY] = {"engines": engine_states}
+            names = [next((k for k, obj in state.items() if obj is module), None) for module, _ in self._engines]
+            checkpoint[checkpoints.KEY] = {"engines": engine_states, "models": names}
         token = self._save_optimizer_shards(state, checkpoint, os.fspath(path))
         save = functools.partial(self.checkpoint_io.save_checkpoint, storage_options=storage_options)
         checkpoints.write_on_rank_zero(checkpoint, path, save, self.topology.control)
@@ -316,9 +328,11 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
                 return {} if entry is None else self._restore(entry, state, strict)
             return self._restore(checkpoint, state, strict)
         ours = checkpoint.pop(checkpoints.KEY, None)
-        engine_states = list(ours.get("engines", [])) if ours else []
-        for (_, engine), engine_state in zip(self._engines, engine_states, strict=False):
-            engine.load_state_dict(engine_state)
+        assigned = _assign_engine_states(ours or {}, state if isinstance(state, dict) else {})
+        engines = [self._engine_of(target, index) for index, (target, _) in enumerate(assigned)]
+        for engine, (_, engine_state) in zip(engines, assigned, strict=True):
+            if engine is not None:
+                engine.load_state_dict(engine_state)
         restored: set[str] = set()
         if state:
             names = [n for n, obj in state.items() if isinstance(obj, torch.optim.Optimizer) and n in checkpoint]
@@ -329,10 +343,17 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
                 else:
                     checkpoint[name] = entry
         remainder = self._restore(checkpoint, state, strict, restored)
-        for (_, engine), engine_state in zip(self._engines, engine_states, strict=False):
-            engine.restore_replica(engine_state)
-        self._pending_states = engine_states
+        for engine, (_, engine_state) in zip(engines, assigned, strict=True):
+            if engine is not None:
+                engine.restore_replica(engine_state)
+        self._pending_states = assigned
         return remainder
+
+    def _engine_of(self, target: nn.Module | None, index: int) -> DataParallelEngine | None:
+        """The engine of the set-up model ``target``; with ``None``, the ``index``-th engine set up."""
+        if target is not None:
+            return next((engine for module, engine in self._engines if module is target), None)
+        return self._engines[index][1] if index < len(self._engines) else None
 
     def _restore_optimizers(self, optimizers: list[Any], entries: list[Any], path: Any) -> list[Any]:
         """Collective: load the sharded ones of ``optimizers`` from their ``entries``; returns what the others
@@ -409,6 +430,22 @@ def _routed_class(original: type) -> type:
         namespace = {"__module__": original.__module__, "__qualname__": original.__qualname__}
         _ROUTED_CLASSES[original] = type(original.__name__, (_RoutedZeroGrad, original), namespace)
     return _ROUTED_CLASSES[original]
+
+
+def _assign_engine_states(
+    saved: dict[str, Any], state: dict[str, Any]
+) -> list[tuple[nn.Module | None, dict[str, Any]]]:
+    """Each engine state of a checkpoint (``saved``, the strategy's entry) with the model it belongs to in the
+    ``state`` being loaded: the model under the name it was saved with (so that models set up in another order, or
+    a new model loaded in place of the trained one, get their own sync state and replica), or ``None`` (by setup
+    order) where the checkpoint names none or ``state`` has no model under that name."""
+    engine_states = list(saved.get("engines", []))
+    names = list(saved.get("models", [])) + [None] * len(engine_states)
+    targets = [state.get(name) if name is not None else None for name in names]
+    return [
+        (target if isinstance(target, nn.Module) else None, engine_state)
+        for target, engine_state in zip(targets, engine_states, strict=False)
+    ]
 
 
 def _carries_state(engine_state: dict[str, Any]) -> bool:

@@ -123,3 +123,34 @@ def test_local_sgd_replicas_come_back_to_their_own_rank() -> None:
     assert torch.equal(flat_parameters(model), mine)
     assert fabric.strategy.engines[0].sync.step == 1
     assert len(torch.load(path, weights_only=False)["mpistrategy"]["engines"][0]["replicas"]["copies"]) == SIZE
+
+
+def _set_up_wide(fabric, seed: int):
+    """A model of another shape than ``_set_up``'s (a replica given to the wrong model would not fit)."""
+    net = mlp(hidden=5, seed=seed)
+    return fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_replicas_go_to_the_models_they_were_saved_for_whatever_the_setup_order() -> None:
+    """Engine states are matched to models by the names they were saved under: models set up in another order, or
+    new models loaded in place of the trained ones, get their own replica and sync state."""
+    fabric = launched(MPIADFabricStrategy(sync=LocalSGD(period=4)))
+    path = os.path.join(shared_tmpdir(), "two_models.ckpt")
+    model, optimizer = _set_up(fabric, seed=1)
+    wide, wide_optimizer = _set_up_wide(fabric, seed=2)
+    _train(fabric, model, optimizer, 1, seed=0)  # one local step each: the replicas differ
+    _train(fabric, wide, wide_optimizer, 1, seed=3)
+    _train(fabric, wide, wide_optimizer, 1, seed=4)
+    mine, mine_wide = flat_parameters(model), flat_parameters(wide)
+    assert not all(torch.equal(mine, other) for other in COMM.allgather(mine))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "wide": wide, "wide_optimizer": wide_optimizer})
+
+    new_wide, new_wide_optimizer = _set_up_wide(fabric, seed=5)  # set up first this time
+    new_model, new_optimizer = _set_up(fabric, seed=6)
+    state = {"model": new_model, "optimizer": new_optimizer, "wide": new_wide, "wide_optimizer": new_wide_optimizer}
+    fabric.load(path, state)
+    assert torch.equal(flat_parameters(new_model), mine) and torch.equal(flat_parameters(new_wide), mine_wide)
+    steps = {id(module): engine.sync.step for module, engine in fabric.strategy._engines}
+    assert steps[id(new_model.module)] == 1 and steps[id(new_wide.module)] == 2
+    torch.testing.assert_close(new_wide_optimizer.state_dict(), wide_optimizer.state_dict(), rtol=0, atol=0)
