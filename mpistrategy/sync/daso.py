@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket
+from mpistrategy.aggregation.rank_state import gather_rank_states, own_rank_state
 from mpistrategy.sync.averaging import Averaging, ModelAverager
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 from mpistrategy.sync.levels import NodeMeanAggregator
@@ -72,7 +73,7 @@ log = logging.getLogger(__name__)
 
 DOWNCAST_TYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": None, None: None}
 #: the layout of :meth:`DASO.state_dict`; checkpoints of layout 1 (no ``version`` key) are converted on loading
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 class Phase(str, Enum):
@@ -163,7 +164,8 @@ class DASOState:
         cycle: the cycling schedule (in force in cycling epochs; adapted at the end of each epoch followed by one).
         epoch: the current epoch; ``step_in_epoch``: optimizer steps done in it; ``steps_in_epoch``: its length;
             ``total_epochs``: the run's length; ``epoch_ended``: its end was processed.
-        loss_sum, loss_count: this rank's training losses of the current epoch.
+        loss_sum, loss_count: this rank's training losses of the current epoch (a checkpoint keeps every rank's:
+            the epoch's mean loss averages the ranks' own means).
         plateau: the plateau detector.
         local_sync: whether the next step averages gradients inside the node.
         node_diverged: whether some step ran without node-local gradient averaging: from then on the ranks of a
@@ -519,11 +521,15 @@ class DASO(SyncMode):
     # ---------------------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        """The state, with a send in flight completed: its mean (the same on every rank) is stored."""
+        """The state, with a send in flight completed: its mean (the same on every rank) is stored; every rank's
+        losses of the epoch so far under ``"rank_losses"`` (collective over the world; complete on rank 0)."""
         state = asdict(self.state)
         state["phase"] = self.state.phase.value
         state["version"] = STATE_VERSION
         state["pending_mean"] = [t.clone() for t in self._pending.result()] if self._pending is not None else None
+        topology = self.ctx.topology
+        losses = {"loss_sum": self.state.loss_sum, "loss_count": self.state.loss_count}
+        state["rank_losses"] = gather_rank_states("daso", losses, topology.control, topology.rank, topology.size)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -532,11 +538,14 @@ class DASO(SyncMode):
         version = state.pop("version", 1)
         if version == 1:
             state = self._from_layout_1(state, pending is not None)
-        elif version != STATE_VERSION:
+        elif version not in (2, STATE_VERSION):
             raise ValueError(
-                f"daso: the checkpoint's state has layout {version}; this version reads layouts 1 and "
+                f"daso: the checkpoint's state has layout {version}; this version reads layouts 1 to "
                 f"{STATE_VERSION}: resume with the mpistrategy version that wrote it."
             )
+        rank_losses = state.pop("rank_losses", None)
+        if rank_losses is not None:
+            state.update(self._own_losses(rank_losses))
         unknown = set(state) - {f.name for f in fields(DASOState)}
         if unknown:
             raise ValueError(f"daso: the checkpoint's state has unknown fields {sorted(unknown)}.")
@@ -548,6 +557,24 @@ class DASO(SyncMode):
         if pending is not None:
             _, averager = self._parts()
             self._pending = Averaging(averager, [t.clone() for t in pending], [], done=True)
+
+    def _own_losses(self, rank_losses: dict[str, Any]) -> dict[str, Any]:
+        """This rank's losses of the epoch so far from a checkpoint's ``"rank_losses"``; written by another number
+        of ranks, those of saved rank ``rank % saved ranks`` (rank 0 warns)."""
+        topology = self.ctx.topology
+        saved = rank_losses["world_size"]
+        if saved == topology.size:
+            return own_rank_state("daso", rank_losses, topology.rank, topology.size)
+        if topology.rank == 0:
+            log.warning(
+                "daso: the checkpoint holds the epoch's losses so far of %d ranks and this run has %d: rank r "
+                "continues the epoch's loss from saved rank r %% %d, so the plateau detector sees another mean loss "
+                "for this epoch than an uninterrupted run.",
+                saved,
+                topology.size,
+                saved,
+            )
+        return rank_losses["ranks"][topology.rank % saved]
 
     def _from_layout_1(self, state: dict[str, Any], pending: bool) -> dict[str, Any]:
         """A checkpoint without ``version``: the skips in force instead of the cycling schedule, the step of the
