@@ -70,3 +70,17 @@ def _parameters(factory: Callable[..., Aggregator]) -> str:
     target = factory.func if isinstance(factory, partial) else factory
     names = [n for n in inspect.signature(target).parameters if n not in fixed]
     return ", ".join(names) if names else "no options"
+
+
+def aggregator_from(aggregator: Aggregator | str | None) -> Aggregator:
+    """``aggregator`` as given, built by name with its default options (:func:`build_aggregator`), or the exact
+    mean for ``None``; ``TypeError`` for anything else."""
+    if aggregator is None:
+        return MeanAggregator()
+    if isinstance(aggregator, str):
+        return build_aggregator(aggregator)
+    if not isinstance(aggregator, Aggregator):
+        raise TypeError(
+            f"aggregator={aggregator!r} is neither an Aggregator nor the name of one ({', '.join(SCHEMES)})."
+        )
+    return aggregator

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from mpistrategy.aggregation.base import Aggregator
-from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.aggregation.registry import aggregator_from
 from mpistrategy.comm import flight, watchdog
 from mpistrategy.comm.communicator import world
 from mpistrategy.comm.topology import Topology
@@ -49,8 +49,10 @@ class MPIStrategyBase:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for any Lightning
             parallel strategy (the Trainer calls the last one ``precision_plugin``); the cluster environment
             defaults to :class:`~mpistrategy.strategy.environment.MPIEnvironment`.
-        aggregator: how gradient buckets are combined (default: :class:`~mpistrategy.aggregation.MeanAggregator`);
-            under hierarchical modes, the combination across nodes.
+        aggregator: how gradient buckets are combined, an :class:`~mpistrategy.aggregation.Aggregator` or its name
+            with default options (``"topk"``, ``"powersgd"``; see :mod:`mpistrategy.aggregation.registry`; default:
+            :class:`~mpistrategy.aggregation.MeanAggregator`); under hierarchical modes, the combination across
+            nodes.
         sync: the step-level sync mode, a :class:`~mpistrategy.sync.SyncMode` or its name (``"flat"``, the
             default: every step over all ranks; see :mod:`mpistrategy.sync`).
         ranks_per_node: make groups of this many ranks act as nodes (default: nodes from MPI, or
@@ -110,7 +112,7 @@ class MPIStrategyBase:
         checkpoint_io: Any = None,
         precision: Any = None,
         *,
-        aggregator: Aggregator | None = None,
+        aggregator: Aggregator | str | None = None,
         sync: SyncMode | str | None = None,
         ranks_per_node: int | None = None,
         node_transport: str = "auto",
@@ -139,8 +141,6 @@ class MPIStrategyBase:
             cluster_environment = self._environment_class(ranks_per_node)
         # positional: the Trainer's ParallelStrategy calls the last one precision_plugin, Fabric's precision
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision)  # type: ignore[call-arg]
-        self.aggregator: Aggregator = aggregator if aggregator is not None else MeanAggregator()
-        self.sync: SyncMode = build_sync(sync)
         self.node_transport = node_transport
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
@@ -155,6 +155,8 @@ class MPIStrategyBase:
             failures.install_excepthook()
             failures.report_os_exit()
         # after the hook: a value wrong on one rank only ends every rank
+        self.aggregator: Aggregator = aggregator_from(aggregator)
+        self.sync: SyncMode = build_sync(sync)
         self._stop_signal_numbers = failures.signal_numbers(stop_signals)
         check_shard(shard, data_parallel)
 

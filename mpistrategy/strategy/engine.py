@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mpistrategy.aggregation.base import Aggregator
+from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.failures import mark_raised_on_every_rank
@@ -87,6 +88,19 @@ class DataParallelEngine:
         """Set the sync mode up and build the gradient buckets (collective). Configuration errors raise on every
         rank: each rank checks the same configuration, and a failure on some ranks only is agreed on."""
         self.module, self.optimizers = module, list(optimizers)
+        self._agree_on(self._options_problem(), "checking the sync mode and shard options")
+        if (
+            self.topology.rank == 0
+            and not isinstance(self.aggregator, MeanAggregator)
+            and not self.sync.uses_aggregator()
+        ):
+            log.warning(
+                "mpi_ad: the aggregator %r is not used: %r averages no gradients across nodes (only models, or only "
+                "inside nodes), so nothing is compressed. Compression applies under sync='flat', 'hierarchical', and "
+                "in the warm-up steps of local SGD.",
+                self.aggregator,
+                self.sync,
+            )
         context = SyncContext(module, self.topology, self.aggregator, self.traffic, self.node_transport, optimizers)
         problem: BaseException | None = None
         try:
@@ -94,28 +108,36 @@ class DataParallelEngine:
         except (SyncConfigurationError, ValueError, TypeError) as error:
             problem = error
         self._agree_on(problem, "setting up the sync mode")
-        self._agree_on(self._shard_problem(), "checking the shard option")
         if self.shard is not None:
             per_node = self.sync.name == "hierarchical"
             self.sharding = ShardedTraining(
                 self.shard, module, self.topology, per_node, self.agree_on_overflow, self.bucket_cap_mb, self.traffic
             )
         if self.shard != "gradients":
-            self.reducer = GradientReducer(
-                module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
-            )
+            problem = None
+            try:  # sets the aggregators up, which refuse options that differ between their ranks
+                self.reducer = GradientReducer(
+                    module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
+                )
+            except (SyncConfigurationError, ValueError, TypeError) as error:
+                problem = error
+            self._agree_on(problem, "setting up the gradient aggregation")
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
 
-    def _shard_problem(self) -> SyncConfigurationError | None:
-        """What stops this rank's ``shard`` option: ranks that disagree on it, or a configuration it cannot run."""
+    def _options_problem(self) -> SyncConfigurationError | None:
+        """What stops this rank's options (before anything is set up, so that no rank waits in a collective of
+        another mode): ranks given different sync modes, sync options or shard options, or a shard option the
+        configuration cannot run."""
+        mine = {"sync mode": f"{self.sync.name} {self.sync.options()}", "shard": repr(self.shard)}
         control = self.topology.control
-        everyone = control.allgather(self.shard) if control.Get_size() > 1 else [self.shard]
-        if len(set(everyone)) > 1:
-            listing = ", ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(everyone))
-            return SyncConfigurationError(
-                f"the ranks were given different shard options ({listing}); give every rank the same."
-            )
+        everyone = control.allgather(mine) if control.Get_size() > 1 else [mine]
+        for what in mine:
+            if len({theirs[what] for theirs in everyone}) > 1:
+                listing = "; ".join(f"rank {rank}: {theirs[what]}" for rank, theirs in enumerate(everyone))
+                return SyncConfigurationError(
+                    f"the ranks were given different {what} options ({listing}); give every rank the same."
+                )
         problem = configuration_problem(self.shard, self.sync.name, self.aggregator, self.topology.node_sizes)
         return None if problem is None else SyncConfigurationError(problem)
 
@@ -245,7 +267,16 @@ class DataParallelEngine:
         return {"scope": self.sync.replicas, "copies": [copies[i] for i in sorted(copies)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the sync mode's and the aggregator's state (before the model's weights are loaded)."""
+        """Restore the sync mode's and the aggregator's state (before the model's weights are loaded; collective:
+        a state this run cannot take, such as per-rank state of another number of ranks, raises on every rank)."""
+        problem: BaseException | None = None
+        try:
+            self._load_state(state)
+        except (SyncConfigurationError, ValueError, TypeError, KeyError) as error:
+            problem = error
+        self._agree_on(problem, "restoring the sync mode's and the aggregator's state")
+
+    def _load_state(self, state: dict[str, Any]) -> None:
         sync_state = state.get("sync")
         if sync_state is not None:
             if sync_state["name"] != self.sync.name:

@@ -41,6 +41,7 @@ Rules:
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -83,6 +84,16 @@ class SyncContext:
     def device(self) -> torch.device:
         """Where the model's parameters live (the CPU for a model without parameters)."""
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
+
+def refuse_several_optimizers(name: str, context: SyncContext, fix: str) -> None:
+    """Raise for a mode that averages the model after each optimizer step when ``context`` has several optimizers
+    (ambiguous: which step ends the period?); ``fix`` ends the message."""
+    if len(context.optimizers) > 1:
+        raise SyncConfigurationError(
+            f"{name}: averages the model after each optimizer step, which is ambiguous with "
+            f"{len(context.optimizers)} optimizers; {fix}."
+        )
 
 
 class SyncMode(ABC):
@@ -153,5 +164,15 @@ class SyncMode(ABC):
         ctx = self.ctx
         return AggregationContext(comm, ctx.topology, buckets, ctx.traffic, scope_of(spans_nodes), span)
 
+    def uses_aggregator(self) -> bool:
+        """Whether some step's gradients go through the strategy's aggregator (a mode that averages only models,
+        or only inside nodes, leaves it unused)."""
+        return True
+
+    def options(self) -> dict[str, Any]:
+        """The constructor's arguments as this mode holds them (every rank must be given the same)."""
+        parameters = inspect.signature(type(self).__init__).parameters
+        return {name: getattr(self, name) for name in parameters if name != "self" and hasattr(self, name)}
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options().items())})"

@@ -64,7 +64,7 @@ import torch
 from mpistrategy.aggregation.base import Aggregator, GradBucket
 from mpistrategy.aggregation.rank_state import gather_rank_states, own_rank_state
 from mpistrategy.sync.averaging import Averaging, ModelAverager
-from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
+from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode, refuse_several_optimizers
 from mpistrategy.sync.levels import NodeMeanAggregator
 from mpistrategy.sync.local_sgd import check_positive
 from mpistrategy.sync.transport import NodeTransport, node_transport
@@ -395,11 +395,7 @@ class DASO(SyncMode):
                 f"{list(topology.node_sizes)} ranks; launch the same number of ranks on every node "
                 "(or set ranks_per_node to a divisor of the ranks per node)."
             )
-        if len(context.optimizers) > 1:
-            raise SyncConfigurationError(
-                f"daso: averages the model after each optimizer step, which is ambiguous with "
-                f"{len(context.optimizers)} optimizers; use one optimizer."
-            )
+        refuse_several_optimizers(self.name, context, "use one optimizer")
         self.transport = node_transport(topology, context.node_transport, context.device)
         self.node_mean = NodeMeanAggregator(self.transport)
         self.averager = ModelAverager(context.module, topology, context.traffic, "nodes", self.sending_chunk_size)
@@ -414,6 +410,10 @@ class DASO(SyncMode):
         node_mean.setup(self.aggregation_context(buckets, self.ctx.topology.node_gradients, spans_nodes=False))
 
     # --------------------------------------------------------------------------------------------- steps
+
+    def uses_aggregator(self) -> bool:
+        """DASO averages gradients inside nodes (exactly) and models across nodes: no step uses the aggregator."""
+        return False
 
     def gradient_aggregator(self) -> Aggregator | None:
         node_mean, _ = self._parts()

@@ -35,7 +35,7 @@ from mpistrategy.comm.buffers import mpi_buffer
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.traffic import INTER_NODE, NODE
 from mpistrategy.sync.averaging import ModelAverager
-from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
+from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode, refuse_several_optimizers
 from mpistrategy.sync.local_sgd import check_positive
 
 GRAPHS = ("ring", "torus", "exponential", "complete")
@@ -118,6 +118,7 @@ class Gossip(SyncMode):
 
     def setup(self, context: SyncContext) -> None:
         super().setup(context)
+        refuse_several_optimizers(self.name, context, "use one optimizer (or sync='flat')")
         topology = context.topology
         self.neighbours = neighbours_of(self.graph, topology.size)[topology.rank]
         self.weights = metropolis_weights(neighbours_of(self.graph, topology.size))[topology.rank]
@@ -131,6 +132,9 @@ class Gossip(SyncMode):
 
     def gradient_aggregator(self) -> None:
         return None
+
+    def uses_aggregator(self) -> bool:
+        return False
 
     def after_optimizer_step(self) -> None:
         if self._sent is not None:

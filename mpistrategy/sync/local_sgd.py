@@ -18,7 +18,7 @@ from typing import Any
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket
 from mpistrategy.sync.averaging import ModelAverager
-from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
+from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode, refuse_several_optimizers
 
 
 def check_positive(what: str, name: str, value: object, minimum: int = 1) -> int:
@@ -47,11 +47,7 @@ class LocalSGD(SyncMode):
 
     def setup(self, context: SyncContext) -> None:
         super().setup(context)
-        if len(context.optimizers) > 1:
-            raise SyncConfigurationError(
-                f"{self.name}: averages the model after each optimizer step, which is ambiguous with "
-                f"{len(context.optimizers)} optimizers; use one optimizer (or sync='flat')."
-            )
+        refuse_several_optimizers(self.name, context, "use one optimizer (or sync='flat')")
         self.averager = ModelAverager(context.module, context.topology, context.traffic, self.route)
 
     def setup_buckets(self, buckets: list[GradBucket]) -> None:
@@ -60,6 +56,10 @@ class LocalSGD(SyncMode):
 
     def gradient_aggregator(self) -> Aggregator | None:
         return self.ctx.aggregator if self.step < self.warmup_steps else None
+
+    def uses_aggregator(self) -> bool:
+        """Only the warm-up steps average gradients."""
+        return self.warmup_steps > 0
 
     def averages_after_this_step(self) -> bool:
         """Whether the model is averaged after the current step."""

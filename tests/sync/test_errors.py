@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from mpistrategy.aggregation import TopK
 from mpistrategy.comm.topology import topology
+from mpistrategy.strategy.failures import raised_on_every_rank
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import DASO, LocalSGD, SyncConfigurationError, build_sync
 from mpistrategy.sync.flat import FlatSync
@@ -49,4 +52,51 @@ def test_setup_failing_on_one_rank_fails_on_every_rank() -> None:
     with pytest.raises(SyncConfigurationError, match=expected):
         _fit(MPIADStrategy(sync=_BrokenOnRankOne()))
     # the ranks are still in step: a collective afterwards pairs correctly
+    assert topology().control.allreduce(RANK) == SIZE * (SIZE - 1) // 2
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_ranks_given_different_sync_options_fail_together_before_any_setup() -> None:
+    """Rank 0 averages every 4 steps, the others every 5: every rank raises, naming each rank's options, before a
+    mode is set up (two modes would otherwise pair their collectives wrongly and wait forever)."""
+    with pytest.raises(SyncConfigurationError, match="different sync mode options") as raised:
+        _fit(MPIADStrategy(sync=LocalSGD(period=4 if RANK == 0 else 5)))
+    assert "rank 0: local_sgd {'period': 4, 'warmup_steps': 0}" in str(raised.value)
+    assert "rank 1: local_sgd {'period': 5, 'warmup_steps': 0}" in str(raised.value)
+    with pytest.raises(SyncConfigurationError, match="rank 0: daso .*; rank 1: local_sgd"):
+        _fit(MPIADStrategy(sync="daso" if RANK == 0 else "local_sgd"))
+    assert topology().control.allreduce(RANK) == SIZE * (SIZE - 1) // 2
+
+
+class _TwoOptimizers(Regressor):
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+@pytest.mark.parametrize("mode", ["local_sgd", "daso", "gossip"])
+def test_modes_that_average_models_refuse_several_optimizers(mode: str) -> None:
+    data = regression_data(SIZE * 8)
+    model = _TwoOptimizers(mlp())
+    model.automatic_optimization = False
+    strategy = MPIADStrategy(sync=mode, ranks_per_node=1)
+    with pytest.raises(SyncConfigurationError, match=f"{mode}: averages the model after each optimizer step"):
+        trainer(strategy=strategy, max_steps=2).fit(model, loader(data, 4))
+
+
+def test_an_aggregator_by_name_is_built_with_its_defaults_and_anything_else_is_refused() -> None:
+    assert isinstance(MPIADStrategy(aggregator="topk").aggregator, TopK)
+    with pytest.raises(ValueError, match="unknown aggregation scheme 'top_k'; valid names: mean, fp16"):
+        MPIADStrategy(aggregator="top_k")
+    with pytest.raises(TypeError, match="aggregator=3 is neither an Aggregator nor the name of one"):
+        MPIADStrategy(aggregator=3)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_aggregator_options_that_differ_end_every_rank_together_without_an_abort() -> None:
+    """The aggregator refuses options that differ between its ranks while the buckets are built; every rank
+    raises, marked so, so that the job exits with each rank's traceback instead of an abort."""
+    with pytest.raises(ValueError, match="topk: the ranks were given different options") as raised:
+        _fit(MPIADStrategy(aggregator=TopK(density=0.1 if RANK == 0 else 0.2)))
+    assert raised_on_every_rank(raised.value)
     assert topology().control.allreduce(RANK) == SIZE * (SIZE - 1) // 2
