@@ -28,14 +28,13 @@ from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
-from mpistrategy.collectives._second_order import recording, refuse_if_recording
+from mpistrategy.collectives._second_order import refuse_if_recording
 from mpistrategy.collectives.placeholder import Placeholder, anchor
-from mpistrategy.collectives.reduction import _allgather_front, _reduce_scatter_front, _ReduceScatter
+from mpistrategy.collectives.reduction import _Allgather, _allgather_along
 from mpistrategy.comm.buffers import (
     check_dtype,
     check_out,
     check_tensor,
-    deliver,
     empty_on_wire,
     mpi_buffer,
     off_wire,
@@ -437,31 +436,6 @@ def scatter_v(
 
 # ---------------------------------------------------------------------------------------------------------------
 # allgather
-
-
-def _allgather_along(
-    tensor: torch.Tensor, sizes: list[int], dim: int, comm: Communicator, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    if dim == 0:  # the blocks are already where MPI puts them: receive straight into out
-        return _allgather_front(tensor, sizes, comm.forward, out)
-    gathered = from_front(_allgather_front(to_front(tensor, dim), sizes, comm.forward), dim)
-    return deliver(gathered, out, tensor.dtype, tensor.device, "allgather")
-
-
-class _Allgather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, sizes: list[int], dim: int, comm: Communicator):
-        ctx.sizes, ctx.dim, ctx.comm = sizes, dim, comm
-        return _allgather_along(tensor, sizes, dim, comm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        comm = ctx.comm
-        if recording():  # through reduce_scatter's autograd node, whose backward is this allgather again
-            return _ReduceScatter.apply(grad, ctx.sizes, ctx.dim, "sum", comm), None, None, None
-        front = to_front(grad, ctx.dim)
-        block = _reduce_scatter_front(front, ctx.sizes, "sum", comm.backward, comm.rank, comm.size)
-        return from_front(block, ctx.dim), None, None, None
 
 
 @eager_under_compile

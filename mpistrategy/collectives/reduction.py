@@ -12,7 +12,9 @@ each rank's own loss, and ``g_r = dL_r/dy_r`` is rank r's cotangent of the op's 
 - reduce to ``root`` (sum): ``y_root = sum_r x_r``; ``dL/dx_r = g_root`` (a broadcast from the root); avg scales
   by 1/P; prod multiplies by ``conj(prod_{s != r} x_s)``.
 - reduce_scatter (sum): ``y_r = sum_s x_s[block r]``; ``dL/dx_s[block r] = g_r`` (an allgather); avg scales by 1/P;
-  prod multiplies by ``conj(prod_{t != s} x_t)``.
+  prod multiplies by ``conj(prod_{t != s} x_t)``. The allgather's autograd node lives here too, beside its adjoint
+  (each records the other when a backward is differentiated again; :mod:`._second_order`); the op itself is in
+  :mod:`.gather`.
 
 The logical (``land``, ``lor``, ``lxor``) and bitwise (``band``, ``bor``, ``bxor``) ops take bool and integer
 tensors only, which torch never lets require grad: their results carry no gradient. Half-precision tensors are
@@ -426,9 +428,7 @@ class _ReduceScatter(torch.autograd.Function):
         comm = ctx.comm
         if ctx.op == "prod":
             refuse_if_recording("reduce_scatter op='prod'")
-        elif recording():
-            from mpistrategy.collectives.gather import _Allgather  # gather imports this module
-
+        elif recording():  # through allgather's autograd node, whose backward is this reduce-scatter again
             gathered = _Allgather.apply(grad, ctx.sizes, ctx.dim, comm)
             return gathered / comm.size if ctx.op == "avg" else gathered, None, None, None, None
         full = _allgather_front(to_front(grad, ctx.dim), ctx.sizes, comm.backward)
@@ -437,6 +437,33 @@ class _ReduceScatter(torch.autograd.Function):
         elif ctx.op == "prod":
             full = times_others(full, ctx.others)
         return from_front(full, ctx.dim), None, None, None, None
+
+
+def _allgather_along(
+    tensor: torch.Tensor, sizes: list[int], dim: int, comm: Communicator, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    if dim == 0:  # the blocks are already where MPI puts them: receive straight into out
+        return _allgather_front(tensor, sizes, comm.forward, out)
+    gathered = from_front(_allgather_front(to_front(tensor, dim), sizes, comm.forward), dim)
+    return deliver(gathered, out, tensor.dtype, tensor.device, "allgather")
+
+
+class _Allgather(torch.autograd.Function):
+    """``allgather`` and ``allgather_v`` on the autograd path (the adjoint pair of :class:`_ReduceScatter`)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, sizes: list[int], dim: int, comm: Communicator):
+        ctx.sizes, ctx.dim, ctx.comm = sizes, dim, comm
+        return _allgather_along(tensor, sizes, dim, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm = ctx.comm
+        if recording():  # through reduce_scatter's autograd node, whose backward is this allgather again
+            return _ReduceScatter.apply(grad, ctx.sizes, ctx.dim, "sum", comm), None, None, None
+        front = to_front(grad, ctx.dim)
+        block = _reduce_scatter_front(front, ctx.sizes, "sum", comm.backward, comm.rank, comm.size)
+        return from_front(block, ctx.dim), None, None, None
 
 
 def _reduce_scatter_arguments(
