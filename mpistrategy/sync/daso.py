@@ -521,15 +521,17 @@ class DASO(SyncMode):
     # ---------------------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        """The state, with a send in flight completed: its mean (the same on every rank) is stored; every rank's
-        losses of the epoch so far under ``"rank_losses"`` (collective over the world; complete on rank 0)."""
+        """The state, with a send in flight completed: its mean (the same on every rank) is stored; once set up,
+        every rank's losses of the epoch so far under ``"rank_losses"`` (collective over the world; complete on
+        rank 0)."""
         state = asdict(self.state)
         state["phase"] = self.state.phase.value
         state["version"] = STATE_VERSION
         state["pending_mean"] = [t.clone() for t in self._pending.result()] if self._pending is not None else None
-        topology = self.ctx.topology
-        losses = {"loss_sum": self.state.loss_sum, "loss_count": self.state.loss_count}
-        state["rank_losses"] = gather_rank_states("daso", losses, topology.control, topology.rank, topology.size)
+        if self.context is not None:
+            topology = self.context.topology
+            losses = {"loss_sum": self.state.loss_sum, "loss_count": self.state.loss_count}
+            state["rank_losses"] = gather_rank_states("daso", losses, topology.control, topology.rank, topology.size)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -544,7 +546,7 @@ class DASO(SyncMode):
                 f"{STATE_VERSION}: resume with the mpistrategy version that wrote it."
             )
         rank_losses = state.pop("rank_losses", None)
-        if rank_losses is not None:
+        if rank_losses is not None and self.context is not None:  # not set up: the saving rank's own, as stored
             state.update(self._own_losses(rank_losses))
         unknown = set(state) - {f.name for f in fields(DASOState)}
         if unknown:
