@@ -20,7 +20,8 @@ rank-0 state was loaded.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
-from mpistrategy.strategy.failures import mark_raised_on_every_rank
+from mpistrategy.strategy.failures import raise_together
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.sharding.memory import MemoryReport, measure
 from mpistrategy.strategy.sharding.options import configuration_problem
@@ -38,6 +39,7 @@ from mpistrategy.strategy.step_check import StepCheck
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DataParallelEngine:
@@ -102,26 +104,19 @@ class DataParallelEngine:
                 self.sync,
             )
         context = SyncContext(module, self.topology, self.aggregator, self.traffic, self.node_transport, optimizers)
-        problem: BaseException | None = None
-        try:
-            self.sync.setup(context)
-        except (SyncConfigurationError, ValueError, TypeError) as error:
-            problem = error
-        self._agree_on(problem, "setting up the sync mode")
+        self._agreed(lambda: self.sync.setup(context), "setting up the sync mode")
         if self.shard is not None:
             per_node = self.sync.name == "hierarchical"
             self.sharding = ShardedTraining(
                 self.shard, module, self.topology, per_node, self.agree_on_overflow, self.bucket_cap_mb, self.traffic
             )
-        if self.shard != "gradients":
-            problem = None
-            try:  # sets the aggregators up, which refuse options that differ between their ranks
-                self.reducer = GradientReducer(
+        if self.shard != "gradients":  # the reducer sets the aggregators up: they refuse options that differ by rank
+            self.reducer = self._agreed(
+                lambda: GradientReducer(
                     module, self.sync, self.topology, self.bucket_cap_mb, self.first_bucket_cap_mb, self.own_bucket_mb
-                )
-            except (SyncConfigurationError, ValueError, TypeError) as error:
-                problem = error
-            self._agree_on(problem, "setting up the gradient aggregation")
+                ),
+                "setting up the gradient aggregation",
+            )
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
 
@@ -158,14 +153,19 @@ class DataParallelEngine:
 
     def _agree_on(self, problem: BaseException | None, what: str) -> None:
         """Raise ``problem`` on its rank and a :class:`SyncConfigurationError` on the others, if any rank has one."""
-        control = self.topology.control
-        failed = control.allgather(problem is not None) if control.Get_size() > 1 else [problem is not None]
-        if problem is not None:
-            raise mark_raised_on_every_rank(problem)
-        if any(failed):
-            ranks = [rank for rank, bad in enumerate(failed) if bad]
-            error = SyncConfigurationError(f"{what} failed on rank(s) {ranks} (see the error raised there).")
-            raise mark_raised_on_every_rank(error)
+        raise_together(problem, self.topology.control, what, SyncConfigurationError)
+
+    def _agreed(self, step: Callable[[], T], what: str, errors: tuple[type[Exception], ...] = ()) -> T:
+        """``step()``, its configuration errors (and ``errors``) agreed on by the ranks (see :meth:`_agree_on`)."""
+        problem: BaseException | None = None
+        result: T | None = None
+        caught: tuple[type[Exception], ...] = (SyncConfigurationError, ValueError, TypeError, *errors)
+        try:
+            result = step()
+        except caught as error:
+            problem = error
+        self._agree_on(problem, what)
+        return cast(T, result)  # no rank failed: the step returned
 
     # ---------------------------------------------------------------------------------------------- steps
 
@@ -269,12 +269,8 @@ class DataParallelEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sync mode's and the aggregator's state (before the model's weights are loaded; collective:
         a state this run cannot take, such as per-rank state of another number of ranks, raises on every rank)."""
-        problem: BaseException | None = None
-        try:
-            self._load_state(state)
-        except (SyncConfigurationError, ValueError, TypeError, KeyError) as error:
-            problem = error
-        self._agree_on(problem, "restoring the sync mode's and the aggregator's state")
+        what = "restoring the sync mode's and the aggregator's state"
+        self._agreed(lambda: self._load_state(state), what, (KeyError,))
 
     def _load_state(self, state: dict[str, Any]) -> None:
         sync_state = state.get("sync")

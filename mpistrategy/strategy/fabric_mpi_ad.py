@@ -40,8 +40,8 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Callable, Generator
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -63,6 +63,7 @@ from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
 from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
 
 log = logging.getLogger(__name__)
+V = TypeVar("V")
 
 Checkpoint = dict[str, Any]
 
@@ -156,20 +157,10 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
             engine.attach_optimizer(optimizer)
             self._route_zero_grad(optimizer)
         self._engines.append((module, engine))
-        pending = self._pending_state_of(module, len(self._engines) - 1)
+        pending = _paired(self._pending_states, module, len(self._engines) - 1)
         if pending is not None:
             engine.load_state_dict(pending)
             engine.restore_replica(pending)
-
-    def _pending_state_of(self, module: nn.Module, index: int) -> dict[str, Any] | None:
-        """The state the last load kept for ``module`` (set up ``index``-th): the one that names it, else the one
-        saved by the ``index``-th engine if it names no model of that load."""
-        for target, engine_state in self._pending_states:
-            if target is module:
-                return engine_state
-        if index < len(self._pending_states) and self._pending_states[index][0] is None:
-            return self._pending_states[index][1]
-        return None
 
     def _route_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``zero_grad`` of the wrapper Fabric puts around ``optimizer`` the engine's.
@@ -329,7 +320,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
             return self._restore(checkpoint, state, strict)
         ours = checkpoint.pop(checkpoints.KEY, None)
         assigned = _assign_engine_states(ours or {}, state if isinstance(state, dict) else {})
-        engines = [self._engine_of(target, index) for index, (target, _) in enumerate(assigned)]
+        engines = [_paired(self._engines, target, index) for index, (target, _) in enumerate(assigned)]
         for engine, (_, engine_state) in zip(engines, assigned, strict=True):
             if engine is not None:
                 engine.load_state_dict(engine_state)
@@ -348,12 +339,6 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
                 engine.restore_replica(engine_state)
         self._pending_states = assigned
         return remainder
-
-    def _engine_of(self, target: nn.Module | None, index: int) -> DataParallelEngine | None:
-        """The engine of the set-up model ``target``; with ``None``, the ``index``-th engine set up."""
-        if target is not None:
-            return next((engine for module, engine in self._engines if module is target), None)
-        return self._engines[index][1] if index < len(self._engines) else None
 
     def _restore_optimizers(self, optimizers: list[Any], entries: list[Any], path: Any) -> list[Any]:
         """Collective: load the sharded ones of ``optimizers`` from their ``entries``; returns what the others
@@ -446,6 +431,19 @@ def _assign_engine_states(
         (target if isinstance(target, nn.Module) else None, engine_state)
         for target, engine_state in zip(targets, engine_states, strict=False)
     ]
+
+
+def _paired(pairs: Sequence[tuple[nn.Module | None, V]], module: nn.Module | None, index: int) -> V | None:
+    """What ``pairs`` (``(model or None, value)``, in setup order) holds for ``module``, set up ``index``-th: the
+    value of the pair whose model is ``module``; else the ``index``-th pair's where either names no model (the
+    engines of set-up models for a saved state that names none, the saved states that name none for a model)."""
+    if module is not None:
+        for model, value in pairs:
+            if model is module:
+                return value
+    if index < len(pairs) and (module is None or pairs[index][0] is None):
+        return pairs[index][1]
+    return None
 
 
 def _carries_state(engine_state: dict[str, Any]) -> bool:

@@ -167,6 +167,24 @@ def mark_raised_on_every_rank(error: BaseException) -> BaseException:
     return error
 
 
+def raise_together(
+    error: BaseException | None, comm: MPI.Comm, what: str, kind: type[Exception] = RuntimeError
+) -> None:
+    """Collective over ``comm``: return when no rank has an ``error``; otherwise raise on every rank together (see
+    :func:`raised_on_every_rank`), this rank's own ``error`` where it has one and elsewhere a ``kind`` that names the
+    failing ranks and the first one's error (``what``: the step that failed, e.g. "loading the optimizer shards")."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    problems = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    failing = [rank for rank, problem in enumerate(problems) if problem is not None]
+    if not failing:
+        return
+    if error is not None:
+        raise mark_raised_on_every_rank(error)
+    raise mark_raised_on_every_rank(
+        kind(f"{what} failed on rank(s) {failing} (rank {failing[0]}: {problems[failing[0]]})")
+    )
+
+
 def mark_coordinated_stop(error: BaseException) -> BaseException:
     """Mark ``error`` (a ``SIGTERMException(STOPPED_EXIT_CODE)``) as the coordinated stop every rank raises."""
     error._mpistrategy_coordinated_stop = True  # type: ignore[attr-defined]

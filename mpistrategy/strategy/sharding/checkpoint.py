@@ -78,7 +78,7 @@ def save(
             files.write(directory, files.file_name(token, part, group.rank, group.size), payload)
         except Exception as problem:  # noqa: BLE001 - every rank must learn of it before anyone raises
             error = problem
-    _agree(error, control, "write its optimizer shard")
+    failures.raise_together(error, control, "writing the optimizer shards")
     tables = control.gather((group.rank, pieces) if group.writes_checkpoint else None, root=0)
     if tables is None:
         return [None] * len(optimizers)
@@ -159,7 +159,7 @@ def load(sharded: ShardedOptimizer, entry: dict[str, Any], reader: ShardReader |
             sharded.load_plain(entry)
     except (CorruptCheckpointError, ValueError, KeyError, RuntimeError) as problem:
         error = problem
-    _agree(error, control, "load its optimizer shard")
+    failures.raise_together(error, control, "loading the optimizer shards")
 
 
 def _check_shapes(saved: Sequence[Sequence[int]], current: Sequence[tuple[int, ...]]) -> None:
@@ -203,7 +203,7 @@ def _consolidated_everywhere(manifest: dict[str, Any], reader: ShardReader | Non
         plain = consolidate_manifest(manifest, reader)
     except (CorruptCheckpointError, ValueError, KeyError) as problem:
         error = problem
-    _agree(error, control, "read the optimizer shards")
+    failures.raise_together(error, control, "reading the optimizer shards")
     return plain
 
 
@@ -262,16 +262,3 @@ def _plain(entry: Any, reader: ShardReader) -> Any:
     if not is_manifest(entry):
         return entry
     return consolidate_manifest(entry, reader)
-
-
-def _agree(error: Exception | None, control: MPI.Intracomm, what: str) -> None:
-    """Raise on every rank if ``error`` happened on some rank (its own error there, a ``RuntimeError`` elsewhere)."""
-    problems = control.allgather(None if error is None else f"{type(error).__name__}: {error}")
-    failing = [rank for rank, problem in enumerate(problems) if problem is not None]
-    if not failing:
-        return
-    if error is not None:
-        raise failures.mark_raised_on_every_rank(error)
-    raise failures.mark_raised_on_every_rank(
-        RuntimeError(f"rank {failing[0]} could not {what}: {problems[failing[0]]}")
-    )
