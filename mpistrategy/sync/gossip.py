@@ -44,10 +44,7 @@ GRAPHS = ("ring", "torus", "exponential", "complete")
 def neighbours_of(graph: str | Sequence[Sequence[int]], size: int) -> list[list[int]]:
     """Every rank's sorted neighbour list for ``graph`` (a name of :data:`GRAPHS` or a neighbour list)."""
     if isinstance(graph, str):
-        if graph not in GRAPHS:
-            raise SyncConfigurationError(
-                f"gossip: graph={graph!r} is not one of {', '.join(map(repr, GRAPHS))} (or a neighbour list)."
-            )
+        _check_graph_name(graph)
         return [sorted(_named_neighbours(graph, rank, size) - {rank}) for rank in range(size)]
     lists = [list(n) for n in graph]
     if len(lists) != size:
@@ -68,6 +65,13 @@ def neighbours_of(graph: str | Sequence[Sequence[int]], size: int) -> list[list[
                     f"not list {rank}; gossip needs an undirected graph."
                 )
     return [sorted(set(row)) for row in lists]
+
+
+def _check_graph_name(graph: str) -> None:
+    if graph not in GRAPHS:
+        raise SyncConfigurationError(
+            f"gossip: graph={graph!r} is not one of {', '.join(map(repr, GRAPHS))} (or a neighbour list)."
+        )
 
 
 def _named_neighbours(graph: str, rank: int, size: int) -> set[int]:
@@ -107,7 +111,9 @@ class Gossip(SyncMode):
     replicas = "rank"
 
     def __init__(self, graph: str | Sequence[Sequence[int]] = "ring", period: int = 1) -> None:
-        if not isinstance(graph, str):
+        if isinstance(graph, str):
+            _check_graph_name(graph)  # a neighbour list is checked against the number of ranks at setup
+        else:
             graph = [list(row) for row in graph]
         self.graph = graph
         self.period = check_positive(self.name, "period", period)

@@ -56,6 +56,12 @@ def test_bad_graphs_are_refused(graph, message: str) -> None:
         neighbours_of(graph, size)
 
 
+def test_an_unknown_graph_name_is_refused_when_the_mode_is_built() -> None:
+    with pytest.raises(SyncConfigurationError, match=r"graph='rnig' is not one of 'ring', 'torus'"):
+        Gossip(graph="rnig")
+    assert Gossip(graph=[[1], [0]]).graph == [[1], [0]]  # a neighbour list waits for the number of ranks
+
+
 def _gossip(graph) -> tuple[Gossip, nn.Module]:
     module = nn.Linear(5, 3).double()
     with torch.no_grad():
