@@ -118,11 +118,14 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self.checkpoint_on_stop = checkpoint_on_stop
         self._checked_step = -1
         self._engine: DataParallelEngine | None = None
+        #: the engine of the last fit, torn down: a checkpoint saved after ``fit`` still holds its state
+        self._finished_engine: DataParallelEngine | None = None
         self._engine_state: dict[str, Any] | None = None
         self._epoch: int | None = None
         self._sync_gradients = True
         self._layer_sync_applied: Any = None
         self._random_state_to_restore: random_state.RandomState | None = None
+        self._random_state_at_epoch_end = False
         self._patched_plugin: Any = None
         self._checkpoint_path: str | None = None
         self._sharding: ShardedTraining | None = None  # kept after fit: a checkpoint saved then needs it
@@ -152,6 +155,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
             self.setup_optimizers(trainer)
             if self.world_size > 1 and self.data_parallel:
                 self._engine = self._build_engine(self.model, self.optimizers)
+                self._finished_engine = None
                 if self._engine_state is not None:
                     self._engine.load_state_dict(self._engine_state)
         self.setup_precision_plugin()
@@ -266,7 +270,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
         aggregator's state and every rank's random state added (see :mod:`~mpistrategy.strategy.checkpoints`);
         sharded optimizers' shards go to shard files beside it first (see :mod:`~mpistrategy.strategy.sharding.
         checkpoint`)."""
-        state = self._engine.state_dict() if self._engine is not None else {}
+        engine = self._engine or self._finished_engine
+        state = engine.state_dict() if engine is not None else {}
         checkpoints.add_state(checkpoint, state, self.topology.control)
         token = self._save_optimizer_shards(checkpoint, filepath)
         if not self.is_global_zero:
@@ -326,6 +331,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
             else:
                 self._engine_state = state
         self._random_state_to_restore = checkpoints.random_state_of(checkpoint, self.global_rank, self.world_size)
+        self._random_state_at_epoch_end = checkpoints.saved_at_epoch_end(checkpoint)
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -358,7 +364,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
             return dataloader
         if "dataloader_iter" in inspect.signature(module.training_step).parameters:
             return dataloader  # the step pulls its batches itself: no place before each fetch
-        resumable = make_resumable(dataloader, self._before_training_batch)
+        resumable = make_resumable(dataloader, self._before_training_batch, self._before_training_pass)
         return dataloader if resumable is None else resumable
 
     # -------------------------------------------------------------------------------------- failures
@@ -381,6 +387,15 @@ class MPIADStrategyMixin(MPIStrategyBase):
         if self._engine is not None and self.lightning_module is not None:
             self._track_epoch(self.lightning_module.trainer)
         self._before_training_batch()
+
+    def _before_training_pass(self) -> None:
+        """When a pass over a resumable training dataloader starts, before its iterator draws from the random
+        generators: after a resume from a checkpoint saved at the end of an epoch (before the next epoch's iterator
+        drew), restore this rank's random state here; one saved within an epoch is restored before the first
+        batch (:meth:`_before_training_batch`)."""
+        if self._random_state_at_epoch_end and self._random_state_to_restore is not None:
+            random_state.restore(self._random_state_to_restore)
+            self._random_state_to_restore = None
 
     def _before_training_batch(self) -> None:
         """Before a training batch is fetched (resumable dataloaders) or used (others), on every rank: the first
@@ -450,7 +465,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
             self._patched_plugin = None
         if self._engine is not None:
             self._engine.teardown()
-            self._engine = None
+            self._finished_engine, self._engine = self._engine, None
         self._epoch = None
         self._release_stop_signals()
         if self._layer_sync_applied is not None and self.model is not None:

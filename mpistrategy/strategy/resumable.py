@@ -6,8 +6,12 @@ batches of ``b`` samples the rest of the epoch is that order without its first `
 the run did. :class:`ResumableLoader` counts the batches it hands out, reports ``(epoch, k)`` through the
 ``state_dict`` / ``load_state_dict`` interface Lightning saves in the checkpoint's loop state (so Lightning treats
 the loader as resumable), and after a resume starts the interrupted epoch at index ``k * b`` of that order, without
-reading the skipped samples. It also calls a hook before each batch is fetched, where the strategy checks for a
-coordinated stop and restores the random state, so both happen before the batch's data is read.
+reading the skipped samples. It calls a hook when a pass starts, before the DataLoader makes its iterator (which
+draws its base seed from torch's generator), and a hook before each batch is fetched: the strategy restores a
+checkpoint's random state in the first where the checkpoint was saved at the end of an epoch (before the next
+epoch's iterator drew from it, so those draws are made again from it, as in the uninterrupted run), in the second
+where it was saved within an epoch (after its iterator drew), and checks for a coordinated stop there, so that all
+of it happens before the batch's data is read.
 
 Exact for a map-style dataset read through Lightning's ``DistributedSampler`` on the same number of ranks. On a
 different number of ranks the order of the epoch is another one: the rest of the interrupted epoch cannot be
@@ -53,9 +57,12 @@ class ResumableLoader:
         loader: a DataLoader over a map-style dataset whose batch sampler is a ``BatchSampler`` over a
             ``DistributedSampler`` (see :func:`make_resumable`).
         before_batch: called before each batch is fetched.
+        before_pass: called when a pass starts, before the loader's iterator is made.
     """
 
-    def __init__(self, loader: DataLoader, before_batch: Callable[[], None]) -> None:
+    def __init__(
+        self, loader: DataLoader, before_batch: Callable[[], None], before_pass: Callable[[], None] | None = None
+    ) -> None:
         self.loader = loader
         batch_sampler = loader.batch_sampler
         assert isinstance(batch_sampler, BatchSampler)
@@ -64,6 +71,7 @@ class ResumableLoader:
         self._order: _SkippingSampler = batch_sampler.sampler
         self._batch_size: int = batch_sampler.batch_size
         self._before_batch = before_batch
+        self._before_pass = before_pass
         self._batches = 0
         self._resume_at: dict[str, int] | None = None
 
@@ -77,6 +85,8 @@ class ResumableLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._batches = self._skip_for_resume()
+        if self._before_pass is not None:
+            self._before_pass()
         return self._batches_of(iter(self.loader))
 
     def _batches_of(self, iterator: Iterator[Any]) -> Iterator[Any]:
@@ -134,7 +144,9 @@ def _warn_cannot_continue(state: dict[str, int], replicas: int, batches: int) ->
     )
 
 
-def make_resumable(loader: object, before_batch: Callable[[], None]) -> ResumableLoader | None:
+def make_resumable(
+    loader: object, before_batch: Callable[[], None], before_pass: Callable[[], None] | None = None
+) -> ResumableLoader | None:
     """``loader`` as a :class:`ResumableLoader`, or ``None`` when its order is not a pure function of the epoch
     (not a DataLoader, an iterable dataset, a batch sampler other than ``BatchSampler``, a sampler other than
     ``DistributedSampler``)."""
@@ -149,4 +161,4 @@ def make_resumable(loader: object, before_batch: Callable[[], None]) -> Resumabl
     inner = sampler.sampler if isinstance(sampler, _SkippingSampler) else sampler
     if type(inner) is not DistributedSampler:
         return None
-    return ResumableLoader(loader, before_batch)
+    return ResumableLoader(loader, before_batch, before_pass)

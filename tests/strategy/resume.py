@@ -77,6 +77,7 @@ def fit_noisy(
     accumulate: int = 1,
     callbacks: tuple = (),
     ckpt_path: str | None = None,
+    enable_checkpointing: bool = False,
 ) -> tuple[L.LightningModule, L.Trainer, int | None]:
     """Fit the noisy model (each rank's generators seeded differently, so each has its own random stream) with a
     new ``strategy()``; returns the model, the trainer and the exit code of a stop (``None`` if fit returned)."""
@@ -91,6 +92,7 @@ def fit_noisy(
         default_root_dir=directory,
         accumulate_grad_batches=accumulate,
         callbacks=list(callbacks),
+        enable_checkpointing=enable_checkpointing,
     )
     try:
         fit.fit(model, shuffled_loader(batches_per_epoch), ckpt_path=ckpt_path)

@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mpistrategy.aggregation import GradBucket, MeanAggregator
@@ -131,6 +132,25 @@ def test_stop_mid_epoch_then_resume_ends_bit_identical_to_an_uninterrupted_run(
         shared_tmpdir(), signum, signal_step, epochs=EPOCHS, batches_per_epoch=BATCHES_PER_EPOCH, accumulate=accumulate
     )
     assert_same_training_state(resumed, reference)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=240)
+@pytest.mark.parametrize("saved", ["by ModelCheckpoint", "after fit"])
+def test_a_checkpoint_of_an_epoch_end_resumes_bit_identical_to_an_uninterrupted_run(saved: str) -> None:
+    """Saved at the end of epoch 1 (dropout and the loss scale draw from every generator): each rank's random
+    state is restored before the next epoch's dataloader draws its seed, as in the uninterrupted run."""
+    directory = shared_tmpdir()
+    if saved == "after fit":
+        _, first, _ = fit_noisy(directory, EPOCHS - 1, BATCHES_PER_EPOCH)
+        path = os.path.join(directory, "after_fit.ckpt")
+        first.save_checkpoint(path)
+    else:
+        every_epoch = ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}")
+        fit_noisy(directory, EPOCHS, BATCHES_PER_EPOCH, callbacks=(every_epoch,), enable_checkpointing=True)
+        path = os.path.join(directory, f"epoch={EPOCHS - 2}.ckpt")
+    model, fit, code = fit_noisy(directory, EPOCHS, BATCHES_PER_EPOCH, ckpt_path=path)
+    assert code is None
+    assert_same_training_state((model, fit), _uninterrupted(1))
 
 
 # --- the resumable loader on its own (one process) ------------------------------------------------------------------

@@ -10,6 +10,7 @@ with nodes run as 2 nodes of 2; local SGD and gossip also at 3 ranks (nodes of o
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -102,3 +103,21 @@ def test_a_mode_without_nodes_resumes_bit_identical(mode: str, optimizer: str, s
 )
 def test_a_mode_with_nodes_resumes_bit_identical(mode: str, optimizer: str, signal: str, signal_step: int) -> None:
     _check(mode, optimizer, signal, signal_step)
+
+
+@pytest.mark.mpi(ranks=(3, 4), timeout=300)
+@pytest.mark.parametrize("mode", ["local_sgd", "hierarchical+topk"])
+def test_a_checkpoint_saved_after_fit_trains_on_as_the_whole_run(mode: str) -> None:
+    """``trainer.save_checkpoint`` after ``fit`` returned (the strategy torn down) still holds the sync mode's
+    state, every rank's replica (local SGD's last average was a step before the end) and the aggregator's state
+    (top-k's residuals), and each rank's random state is restored before the next epoch's dataloader draws from
+    it: training on from it for the last epoch gives each rank the parameters and AdamW state of the run of all
+    epochs. (Gossip and DASO merge the exchange in flight when fit ends, so their continuation differs.)"""
+    directory = shared_tmpdir()
+    _, first, code = fit_noisy(directory, EPOCHS - 1, BATCHES_PER_EPOCH, strategy=_strategy(mode))
+    assert code is None
+    path = os.path.join(directory, "after_fit.ckpt")
+    first.save_checkpoint(path)
+    model, fit, code = fit_noisy(directory, EPOCHS, BATCHES_PER_EPOCH, strategy=_strategy(mode), ckpt_path=path)
+    assert code is None
+    assert_same_training_state((model, fit), _uninterrupted(mode, "adamw"))
