@@ -286,16 +286,36 @@ class DataParallelEngine:
             self.aggregator.load_state_dict(aggregator)
 
     def restore_replica(self, state: dict[str, Any]) -> None:
-        """After the checkpoint's (rank-0) model and optimizer state were loaded: load this rank's own replica."""
+        """After the checkpoint's (rank-0) model and optimizer state were loaded: load this rank's own replica
+        (collective: a replica this run needs and the checkpoint lacks raises on every rank; replicas of ranks or
+        nodes this run does not have are dropped with a warning on rank 0)."""
         replicas = state.get("replicas")
-        index = self._replica_index()
-        if not replicas or index is None or self.module is None:
+        if not replicas or self._replica_index() is None or self.module is None:
             return
-        copies = replicas["copies"]
-        if replicas["scope"] != self.sync.replicas or index >= len(copies):
+        self._agreed(lambda: self._load_replica(replicas), "restoring the replicas", (KeyError,))
+
+    def _load_replica(self, replicas: dict[str, Any]) -> None:
+        index, scope, copies = self._replica_index(), self.sync.replicas, replicas["copies"]
+        assert index is not None and self.module is not None
+        if replicas["scope"] != scope or index >= len(copies):
             raise SyncConfigurationError(
                 f"the checkpoint holds {len(copies)} {replicas['scope']} replicas, but this run needs replica "
-                f"{index} of scope {self.sync.replicas!r}; resume {self.sync.name} with the layout it was saved with."
+                f"{index} of scope {scope!r}; resume {self.sync.name} with the layout it was saved with."
+            )
+        here = self.topology.size if scope == "rank" else len(self.topology.node_sizes)
+        if len(copies) > here and self.topology.rank == 0:
+            log.warning(
+                "mpi_ad: the checkpoint holds %d %s replicas and this run has %d %ss: the replicas of %s(s) %s are "
+                "dropped (what they trained since their last average is lost); the run continues from those of "
+                "%s(s) 0-%d.",
+                len(copies),
+                scope,
+                here,
+                scope,
+                scope,
+                ", ".join(str(i) for i in range(here, len(copies))),
+                scope,
+                here - 1,
             )
         copy = copies[index]
         self.module.load_state_dict(copy["model"])

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
+import torch
 
 from mpistrategy.aggregation import Aggregator, MeanAggregator, TopK
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import DASO, Gossip, HierarchicalLocalSGD, HierarchicalSync, LocalSGD, SyncMode
+from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
 from tests.strategy.helpers import SIZE, shared_tmpdir
 from tests.strategy.resume import SIGNALS, assert_same_training_state, fit_noisy, stop_then_resume
 
@@ -121,3 +125,28 @@ def test_a_checkpoint_saved_after_fit_trains_on_as_the_whole_run(mode: str) -> N
     model, fit, code = fit_noisy(directory, EPOCHS, BATCHES_PER_EPOCH, strategy=_strategy(mode), ckpt_path=path)
     assert code is None
     assert_same_training_state((model, fit), _uninterrupted(mode, "adamw"))
+
+
+REPLICA_JOB = Path(__file__).parent / "scripts" / "replica_job.py"
+
+
+@OUTER_RUN_ONLY
+def test_replicas_resumed_on_another_number_of_ranks_are_dropped_with_a_warning_or_refused_on_every_rank() -> None:
+    """Local SGD saved at 3 ranks with its replicas apart: at 2 ranks, ranks 0 and 1 resume their own replicas and
+    rank 0 names the replica dropped; at 4 ranks, which need a replica the checkpoint lacks, every rank raises."""
+    directory = tempfile.mkdtemp(prefix="mpistrategy-replicas-")
+    code, output, _ = run_mpi_job(REPLICA_JOB, 3, "save", directory, timeout=200, OMP_NUM_THREADS="1")
+    assert code == 0, output[-4000:]
+    saved = [torch.load(os.path.join(directory, f"saved-rank{rank}.pt")) for rank in range(3)]
+    assert not torch.equal(saved[0], saved[1]), "the replicas did not differ when saved"
+
+    code, output, _ = run_mpi_job(REPLICA_JOB, 2, "load", directory, timeout=200, OMP_NUM_THREADS="1")
+    assert code == 0, output[-4000:]
+    assert "holds 3 rank replicas and this run has 2 ranks: the replicas of rank(s) 2 are dropped" in output
+    for rank in range(2):
+        assert torch.equal(torch.load(os.path.join(directory, f"loaded-rank{rank}.pt")), saved[rank])
+
+    code, output, _ = run_mpi_job(REPLICA_JOB, 4, "load", directory, timeout=200, OMP_NUM_THREADS="1")
+    assert code != 0
+    assert "needs replica 3 of scope 'rank'" in output
+    assert output.count("restoring the replicas failed on rank(s) [3]") == 3, output[-4000:]
