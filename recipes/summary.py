@@ -1,10 +1,12 @@
 """End-of-run summary (table, ``summary.json``, ``curves.png``) and the sweep comparison (``comparison.png``).
 
 Rank 0 only: the callers check the rank. Reads what Lightning's CSVLogger wrote (``<run dir>/csv/metrics.csv``).
-In a sweep, each point's outcome (completed or failed, with the error) is written to ``<job dir>/status.json`` as
-the point ends, and the comparison is rewritten then, over the points done so far: a point that fails (which makes
-Hydra's sweeper stop before its end-of-sweep callback) leaves the comparison of the others, with itself listed as
-failed.
+Each run writes its outcome to ``<job dir>/status.json``: ``started`` when it starts, ``completed`` or ``failed``
+(with the error) when it ends, so that a run killed on the way (a time limit, a rank's abort) stays ``started``.
+In a sweep the comparison is rewritten as each point ends, over the points done so far: a point that fails (which
+makes Hydra's sweeper stop before its end-of-sweep callback) leaves the comparison of the others, with itself
+listed as failed. A job array's points are single runs (their statuses are read by
+``python -m mpistrategy.recipes.summary <sweep dir>``, where a point still ``started`` is listed as not ended).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ CURVES_FILE = "curves.png"
 COMPARISON_PNG = "comparison.png"
 COMPARISON_CSV = "comparison.csv"
 STATUS_FILE = "status.json"
-COMPLETED, FAILED = "completed", "failed"
+STARTED, COMPLETED, FAILED = "started", "completed", "failed"
 
 
 # --- reading metrics --------------------------------------------------------------------------------------------------
@@ -193,7 +195,8 @@ def plot_curves(series: dict[str, list[tuple[float, float, float]]], path: str |
 
 def compare_sweep(sweep_dir: str | Path, objective: str | None = None) -> list[dict[str, Any]]:
     """Collect every job's ``summary.json`` and ``status.json`` under ``sweep_dir``; write ``comparison.csv`` and
-    ``comparison.png``. A job is listed as failed when its ``status.json`` says so (it then has no values)."""
+    ``comparison.png``. A job is listed as failed, or as started only (killed on the way), when its ``status.json``
+    says so (it then has no values)."""
     sweep_dir = Path(sweep_dir)
     job_dirs = {path.parent for name in (SUMMARY_FILE, STATUS_FILE) for path in sweep_dir.glob(f"*/{name}")}
     points = [_point(job, objective) for job in sorted(job_dirs, key=lambda p: _job_order(p.name))]
@@ -228,7 +231,7 @@ def _point(job_dir: Path, objective: str | None) -> dict[str, Any]:
     ``status.json``, as in sweeps that ran before these files existed)."""
     summary = _read_json(job_dir / SUMMARY_FILE)
     status = _read_json(job_dir / STATUS_FILE)
-    failed = status.get("status") == FAILED
+    ended = status.get("status", COMPLETED) == COMPLETED
     name = objective or summary.get("objective", {}).get("name", "val/acc")
     overrides = summary.get("overrides") or status.get("overrides") or []
     return {
@@ -236,9 +239,9 @@ def _point(job_dir: Path, objective: str | None) -> dict[str, Any]:
         "status": status.get("status", COMPLETED),
         "overrides": " ".join(overrides) or job_dir.name,
         "objective": name,
-        "value": None if failed else summary.get("final", {}).get(name),
-        "best": None if failed else summary.get("best", {}).get(name),
-        "fit_seconds": None if failed else summary.get("fit_seconds"),
+        "value": summary.get("final", {}).get(name) if ended else None,
+        "best": summary.get("best", {}).get(name) if ended else None,
+        "fit_seconds": summary.get("fit_seconds") if ended else None,
         "error": status.get("error", ""),
         "curve": job_dir / "csv" / "metrics.csv",
     }
@@ -248,10 +251,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def write_status(job_dir: str | Path, overrides: list[str], error: BaseException | None) -> None:
-    """``<job_dir>/status.json``: how the sweep point ended (``completed``, or ``failed`` with the error's first
+def write_status(job_dir: str | Path, overrides: list[str], state: str, error: BaseException | None = None) -> None:
+    """``<job_dir>/status.json``: ``state`` (``started``, ``completed`` or ``failed``; with ``error``'s first
     line)."""
-    status: dict[str, Any] = {"status": COMPLETED if error is None else FAILED, "overrides": list(overrides)}
+    status: dict[str, Any] = {"status": state, "overrides": list(overrides)}
     if error is not None:
         lines = str(error).strip().splitlines()
         status["error"] = f"{type(error).__name__}: {lines[0] if lines else ''}"
@@ -262,6 +265,9 @@ def write_status(job_dir: str | Path, overrides: list[str], error: BaseException
 
 def _job_order(name: str) -> tuple[int, str]:
     return (int(name), name) if name.isdigit() else (1 << 30, name)
+
+
+_NOT_ENDED = {FAILED: FAILED, STARTED: "did not end"}
 
 
 def plot_comparison(points: list[dict[str, Any]], path: str | Path) -> None:
@@ -275,13 +281,13 @@ def plot_comparison(points: list[dict[str, Any]], path: str | Path) -> None:
     fig, (ax_bar, ax_curve) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"#{p['job']}: {p.get('label', p['overrides'])}" for p in points]
     values = [p["value"] if p["value"] is not None else 0.0 for p in points]
-    colors = ["tab:red" if p.get("status") == FAILED else "tab:blue" for p in points]
+    colors = [{FAILED: "tab:red", STARTED: "tab:gray"}.get(p.get("status", ""), "tab:blue") for p in points]
     bars = ax_bar.barh(range(len(points)), values, color=colors)
     ax_bar.set_yticks(range(len(points)), labels, fontsize=8)
     ax_bar.invert_yaxis()
     ax_bar.set_xlabel(f"final {objective}")
     for bar, p in zip(bars, points, strict=True):
-        text = FAILED if p.get("status") == FAILED else "n/a" if p["value"] is None else f"{p['value']:.4f}"
+        text = _NOT_ENDED.get(p.get("status", ""), "n/a" if p["value"] is None else f"{p['value']:.4f}")
         ax_bar.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {text}", va="center", fontsize=8)
     for p, label in zip(points, labels, strict=True):
         series = read_metrics(p["curve"])
@@ -301,24 +307,38 @@ def plot_comparison(points: list[dict[str, Any]], path: str | Path) -> None:
 
 
 class SweepSummaryCallback(HydraCallback):
-    """Hydra callback, rank 0 (or the submitting process) only: as each sweep point ends, its ``status.json`` and
-    the comparison of the points done so far; after the sweep, the comparison once more (a sweeper that runs its
-    points elsewhere, such as submitit's, ends its points in other processes)."""
+    """Hydra callback, rank 0 (or the submitting process) only: as each run starts and ends, its ``status.json``;
+    as each sweep point ends, the comparison of the points done so far; after the sweep, the comparison once more
+    (a sweeper that runs its points elsewhere, such as submitit's, ends its points in other processes)."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from mpistrategy.recipes.hydra_mpi import rank
+
+        if rank() == 0:
+            self._write_status(config, STARTED)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         from mpistrategy.recipes.hydra_mpi import rank
 
-        if rank() != 0 or OmegaConf.select(config, "hydra.mode") != RunMode.MULTIRUN:
+        if rank() != 0:
             return
         # the failed job's exception; reading ``return_value`` would raise it (the sweeper does that, later)
         error = job_return._return_value if job_return.status == JobStatus.FAILED else None
+        self._write_status(config, COMPLETED if error is None else FAILED, error)
+        if OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:
+            try:
+                self._compare(config)
+            except Exception as exc:  # the comparison must never fail a sweep point
+                log.warning("could not write the sweep comparison: %s", exc)
+
+    @staticmethod
+    def _write_status(config: DictConfig, state: str, error: BaseException | None = None) -> None:
         job_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
         overrides = list(OmegaConf.select(config, "hydra.overrides.task", default=None) or [])
         try:
-            write_status(job_dir, overrides, error)
-            self._compare(config)
-        except Exception as exc:  # the comparison must never fail a sweep point
-            log.warning("could not write the sweep comparison: %s", exc)
+            write_status(job_dir, overrides, state, error)
+        except OSError as exc:  # the status must never fail a run
+            log.warning("could not write %s in %s: %s", STATUS_FILE, job_dir, exc)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from mpistrategy.recipes.hydra_mpi import rank

@@ -53,12 +53,15 @@ def test_gpu_template_runs_on_cpu_without_its_gpu_request(tmp_path: Path) -> Non
     _check_run(tmp_path / "logs" / "digits_cnn" / "runs" / f"slurm-{job}")
 
 
-def test_job_array_sweep_runs_every_point_and_compares_them(tmp_path: Path) -> None:
-    env = job_env(tmp_path / "logs", OVERRIDES=SMALL, SWEEP_POINTS="model.hidden=32;model.hidden=64")
-    job = sbatch(TEMPLATES / "sweep-array.sbatch", "--array=0-1", "--time=10", cwd=tmp_path, env=env)
+def test_job_array_sweep_runs_every_point_and_compares_them_listing_a_failed_one(tmp_path: Path) -> None:
+    """Point 2 (``scheduler.T_max=0``: no length for the cosine scheduler) fails while building: its array
+    task fails, and the comparison lists it as failed with its error beside the two that completed."""
+    points = "model.hidden=32;model.hidden=64;scheduler.T_max=0"
+    env = job_env(tmp_path / "logs", OVERRIDES=SMALL, SWEEP_POINTS=points)
+    job = sbatch(TEMPLATES / "sweep-array.sbatch", "--array=0-2", "--time=10", cwd=tmp_path, env=env)
     sweep = tmp_path / "logs" / "digits_mlp" / f"array-{job}"
-    for task in (0, 1):
-        assert wait_for(f"{job}_{task}", timeout=600) == "COMPLETED", output_of(tmp_path)
+    for task, ended in ((0, "COMPLETED"), (1, "COMPLETED"), (2, "FAILED")):
+        assert wait_for(f"{job}_{task}", timeout=600) == ended, output_of(tmp_path)
     for task, hidden in ((0, 32), (1, 64)):
         summary = _check_run(sweep / str(task))
         assert f"model.hidden={hidden}" in summary["overrides"]
@@ -68,7 +71,9 @@ def test_job_array_sweep_runs_every_point_and_compares_them(tmp_path: Path) -> N
         time.sleep(2)
     assert (sweep / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", output_of(tmp_path)
     with (sweep / "comparison.csv").open() as handle:
-        assert [row["job"] for row in csv.DictReader(handle)] == ["0", "1"]
+        rows = list(csv.DictReader(handle))
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "completed"), ("2", "failed")]
+    assert rows[2]["final"] == "" and rows[2]["error"].startswith("ValidationError: scheduler.T_max=0"), rows[2]
 
 
 def test_sigusr1_checkpoints_requeues_and_the_requeued_job_ends_bit_identical_to_an_uninterrupted_one(

@@ -1,0 +1,36 @@
+"""The comparison of a sweep's points from their ``summary.json`` and ``status.json`` files (what
+``python -m mpistrategy.recipes.summary <sweep dir>`` reads after a job array)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from mpistrategy.recipes.summary import COMPLETED, FAILED, STARTED, main, write_status
+
+
+def _point(sweep: Path, job: str, overrides: list[str], state: str, final: float | None = None) -> None:
+    error = ValueError("model.hidden=-3 is negative\nsecond line") if state == FAILED else None
+    write_status(sweep / job, overrides, state, error)
+    if final is not None:
+        summary = {"objective": {"name": "val/acc"}, "final": {"val/acc": final}, "best": {"val/acc": final}}
+        (sweep / job / "summary.json").write_text(json.dumps({**summary, "overrides": overrides, "fit_seconds": 2.5}))
+
+
+def test_a_point_that_failed_or_did_not_end_is_listed_without_values(tmp_path: Path) -> None:
+    _point(tmp_path, "0", ["model.hidden=32"], COMPLETED, final=0.93)
+    _point(tmp_path, "1", ["model.hidden=-3"], FAILED)
+    _point(tmp_path, "2", ["model.hidden=64"], STARTED)  # killed on the way (a time limit): no summary
+    (tmp_path / "10").mkdir()  # a folder without either file is not a point
+
+    assert main([str(tmp_path)]) == 0
+    with (tmp_path / "comparison.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["job"], row["status"], row["final"]) for row in rows] == [
+        ("0", COMPLETED, "0.93"),
+        ("1", FAILED, ""),
+        ("2", STARTED, ""),
+    ]
+    assert rows[1]["error"] == "ValueError: model.hidden=-3 is negative"
+    assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
