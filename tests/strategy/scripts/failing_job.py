@@ -81,6 +81,9 @@ trainer = L.Trainer(
 )
 try:
     trainer.fit(Job(), DataLoader(data, batch_size=8), ckpt_path="hpc" if MODE in ("resume", "corrupt") else None)
+except Exception as error:  # one line per rank (tracebacks of several ranks interleave in the job's output)
+    print(f"RAISED rank={RANK} {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
+    raise
 finally:
     print(f"STOPPED rank={RANK} global_step={trainer.global_step}", flush=True)
 if MODE == "raise_outside":
