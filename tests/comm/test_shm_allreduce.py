@@ -75,6 +75,29 @@ def test_results_are_the_float64_reference_within_rounding_and_the_same_bits_on_
         assert torch.equal(ms.allreduce(x, op).view(torch.uint8), y.view(torch.uint8)), "a second run differs"
 
 
+@pytest.mark.parametrize("layout", ["strided column", "transposed", "expanded"])
+def test_inputs_that_are_not_contiguous_are_summed_by_their_values_forward_and_backward(layout: str) -> None:
+    """Several chunks per rank (each rank sums its own chunks from its input): a column of a matrix (1-D, stride
+    2), a transposed matrix and an expanded row (stride 0, as the cotangent of ``y.sum()`` is) equal the sum of
+    their contiguous copies; the gradient of ``allreduce(z).sum()`` is P everywhere."""
+    rows = (EVERYONE_SUMS_BYTES + 3 * CHUNK_BYTES) // 8 + 3
+    base = per_rank(2 * rows, torch.float64, seed=11).reshape(rows, 2)
+    x = {
+        "strided column": base[:, 0],
+        "transposed": base.t(),
+        "expanded": base[0].reshape(1, 2).expand(rows, 2),
+    }[layout]
+    assert not x.is_contiguous()
+    started = shm_operations()
+    got = ms.allreduce(x)
+    assert shm_operations() == started + 1, "the allreduce did not use shared memory"
+    assert torch.equal(got, ms.allreduce(x.contiguous()))
+    torch.testing.assert_close(got, torch.stack([t.contiguous() for t in gather_reference(x)]).sum(0))
+    z = per_rank(rows, torch.float64, seed=12).requires_grad_()
+    ms.allreduce(z).sum().backward()
+    assert torch.equal(z.grad, torch.full_like(z, float(size())))
+
+
 def test_half_precision_is_accumulated_in_float32() -> None:
     """Sums of 1.5 and 2.25 are exact in both formats; 60000 on every rank overflows float16 when summed in
     float16 (its largest value is 65504), but its average, accumulated in float32, is 60000."""

@@ -297,7 +297,7 @@ class SharedMemoryGroup:
         if not plan.copies_in:
             self._flags.publish(ARRIVED, base + plan.chunks)
             return
-        flat = split(tensor.detach().reshape(-1), plan.step)
+        flat = split(tensor.detach().reshape(-1).contiguous(), plan.step)  # summed by address: no strides
         if plan.source is HOST:
             operation.views.own = flat
         source = operation.views.source
