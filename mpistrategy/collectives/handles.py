@@ -153,19 +153,21 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token: torch.Tensor, link: Link) -> torch.Tensor:
         ctx.link = link
+        ctx.token = (token.dtype, token.device)  # its gradient has its type, whatever the result's is
         assert link.forward is not None  # posted by Start
         return link.forward.wait()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         link = ctx.link
+        dtype, device = ctx.token
         if link.adjoint is None:
             refuse_if_recording(link.what)
         elif recording():
             link.backward = Completed(link.adjoint(grad))
-            return grad.new_empty(0), None
+            return torch.empty(0, dtype=dtype, device=device), None
         link.backward = link.start_backward(grad)
-        return grad.new_empty(0), None
+        return torch.empty(0, dtype=dtype, device=device), None
 
 
 class Handle:

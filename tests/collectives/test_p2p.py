@@ -139,6 +139,19 @@ def test_isend_irecv_both_directions_adjoint(order, shape):
     assert_adjoint(forward, random_like_rank(shape, seed=4), seed=4)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.float32], ids=str)
+def test_a_complex_or_float32_message_of_isend_and_irecv_carries_its_cotangent_back(dtype):
+    """A ring of non-blocking messages: the sender's gradient is the receiver's cotangent, in the message's dtype
+    (the receive's link to autograd is a float32 token, whose gradient keeps the token's type)."""
+    x = random_like_rank((4, 3), seed=8).to(dtype).requires_grad_()
+    sent = ms.isend(x, _right(), tag=9)
+    received = ms.irecv(_left(), tag=9).wait()
+    cotangent = torch.randn(received.shape, dtype=dtype, generator=rank_generator(31))
+    (received + sent.wait()).backward(cotangent)  # the placeholder joins backward through the sum
+    assert x.grad is not None and x.grad.dtype == dtype
+    assert torch.equal(x.grad, COMM.allgather(cotangent)[_right()])
+
+
 def test_mixed_requires_grad_sendrecv():
     """Only even ranks' tensors require grad: gradients flow exactly where a sender asked for them."""
     shape = (4, 3)
