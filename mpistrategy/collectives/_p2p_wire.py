@@ -7,7 +7,6 @@ are described in :mod:`~mpistrategy.collectives.p2p`, whose ops are the only use
 
 from __future__ import annotations
 
-import atexit
 from collections import deque
 from typing import cast
 
@@ -19,6 +18,7 @@ from mpistrategy.comm.buffers import check_tensor, empty_on_wire, mpi_buffer, of
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.errors import CommunicationError, with_note
 from mpistrategy.comm.metadata import HEADER_LENGTH, TensorMeta
+from mpistrategy.comm.watchdog import watched_at_exit
 
 # The p2p header: TensorMeta's HEADER_LENGTH values, then the sender's number for the message.
 _HEADER_LENGTH = HEADER_LENGTH + 1
@@ -70,7 +70,7 @@ def notify(problem: Exception, comm: Communicator, dst: int, tag: int, what: str
     header[0], header[1] = _FAILED, len(text)
     data = torch.tensor(list(text), dtype=torch.uint8)
     for buffer in (header, data):
-        detached_sends.append((comm.forward.Isend(mpi_buffer(buffer), dst, tag), buffer))
+        _detach(comm.forward.Isend(mpi_buffer(buffer), dst, tag), buffer)
     _count_self_message(comm, dst, tag, +1)
     with_note(problem, f"{what} raised this on rank {comm.rank}; rank {dst}, its peer, raises too when it receives.")
 
@@ -199,8 +199,7 @@ def send_gradient(grad: torch.Tensor, peer: int, number: int, comm: Communicator
     buffer = on_wire(grad)
     if buffer.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
         buffer = buffer.clone()  # the send outlives this backward node: it must own its buffer
-    request = comm.backward.Isend(mpi_buffer(buffer), peer, _backward_tag(number, comm))
-    detached_sends.append((request, buffer))
+    _detach(comm.backward.Isend(mpi_buffer(buffer), peer, _backward_tag(number, comm)), buffer)
     try:
         torch.autograd.Variable._execution_engine.queue_callback(progress)
     except RuntimeError:  # not inside a backward pass: later p2p calls release it
@@ -222,7 +221,13 @@ def wait_for_detached_sends() -> None:
     progress()
 
 
-@atexit.register
+def _detach(request: MPI.Request, buffer: torch.Tensor) -> None:
+    """Keep ``request`` and its buffer until the send completes; at exit, wait for it (watched: a send no rank ever
+    receives, from a peer that skipped backward, is reported as a stall)."""
+    watched_at_exit(_complete_at_exit)
+    detached_sends.append((request, buffer))
+
+
 def _complete_at_exit() -> None:
     if detached_sends and MPI.Is_initialized() and not MPI.Is_finalized():
         wait_for_detached_sends()

@@ -10,12 +10,12 @@ forward one did. The user sees a :class:`Handle`; ``handle.wait()`` applies Fini
 
 A handle dropped before its op completed (never waited on, or lost to an exception) does not free the buffers MPI
 still reads and writes: its requests and buffers are parked and released once MPI reports them complete (checked
-whenever a non-blocking op is posted, and waited for at exit, before MPI is finalized).
+whenever a non-blocking op is posted, and waited for at exit, before MPI is finalized, while the stall watchdog
+still watches: an op some rank never joins is reported instead of holding the process at exit).
 """
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._second_order import recording, refuse_if_recording
+from mpistrategy.comm.watchdog import watched_at_exit
 
 #: requests of dropped :class:`Pending` objects still in flight, each with the buffers it uses
 _parked: list[tuple[list[MPI.Request], tuple]] = []
@@ -34,7 +35,6 @@ def _release_completed() -> None:
     _parked[:] = [entry for entry in _parked if not MPI.Request.Testall(entry[0])]
 
 
-@atexit.register  # registered after mpi4py's own exit handler, so it runs before MPI is finalized
 def _complete_parked() -> None:
     if _parked and MPI.Is_initialized() and not MPI.Is_finalized():
         for requests, _ in _parked:
@@ -58,6 +58,7 @@ class Pending:
     def __del__(self) -> None:
         requests = getattr(self, "requests", None)
         if requests and not MPI.Is_finalized() and not MPI.Request.Testall(requests):
+            watched_at_exit(_complete_parked)
             _parked.append((requests, self.keepalive))
 
     def wait(self) -> Any:

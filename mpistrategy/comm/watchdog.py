@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -415,6 +416,18 @@ def start(comm: MPI.Intracomm) -> None:
     global _watchdog
     if _watchdog is None and comm.Get_size() > 1:
         _watchdog = Watchdog(comm)
+
+
+_exit_hooks: set[Callable[[], None]] = set()
+
+
+def watched_at_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at exit while this rank's watchdog still watches, before MPI is finalised: a wait in it that
+    never ends (for a peer that will not take part) is reported as a stall instead of holding the process.
+    Registered on first use, after the watchdog's own exit hook, so that it runs first; once per ``hook``."""
+    if hook not in _exit_hooks:
+        _exit_hooks.add(hook)
+        atexit.register(hook)
 
 
 @atexit.register

@@ -1,11 +1,13 @@
 """Desynchronised ranks diagnosed: fingerprints name every rank's call and place, the stall watchdog reports a rank
 that never arrives (in Python and in a C call) and ends the job, the flight records name the first divergence.
 
-Each job runs tests/comm/scripts/desync.py: three desync cases that every rank survives, then a stall."""
+Each job runs tests/comm/scripts/desync.py: three desync cases that every rank survives, then a stall; or
+tests/comm/scripts/unmatched_at_exit.py: communication no peer completes, waited for at exit."""
 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from tests.external_job import OUTER_RUN_ONLY, marked_line, run_mpi_job
 pytestmark = OUTER_RUN_ONLY
 
 SCRIPT = Path(__file__).parent / "scripts" / "desync.py"
+UNMATCHED = Path(__file__).parent / "scripts" / "unmatched_at_exit.py"
 STALL_TIMEOUT = 3
 
 
@@ -140,6 +143,22 @@ def test_a_rank_waiting_in_an_object_reduction_on_a_strategy_communicator_answer
     assert "did not answer" not in report, report[:3000]
     assert re.search(rf"rank 1 \(.*\): not in a collective, now at \S*{_line_of('objects')} \(in <module>\)", report)
     assert sorted(path.name for path in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
+@pytest.mark.parametrize(("case", "hook"), [("gradient", "_complete_at_exit"), ("dropped", "_complete_parked")])
+def test_communication_no_peer_completes_is_reported_at_exit_instead_of_holding_the_process(
+    case: str, hook: str
+) -> None:
+    """A gradient sent in backward that the peer never receives, a dropped non-blocking allreduce the peer never
+    joins: the rank waits for it at exit while its watchdog still watches, so the job ends with a stall report
+    naming the wait (it used to hold the process until the launcher's time limit)."""
+    started = time.time()
+    code, output, ended = run_mpi_job(UNMATCHED, 2, case, timeout=90, MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT))
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    assert "END 0" in output and "END 1" in output, output[-4000:]
+    report = output[output.index("[mpistrategy] stall") :]
+    assert f"in {hook}" in report and "ended its script" in report, report[:3000]
+    assert ended - started <= STALL_TIMEOUT + 30, f"the job ended {ended - started:.1f} s after it started"
 
 
 def test_a_rank_that_cannot_answer_is_named_and_aborted(tmp_path: Path) -> None:
