@@ -189,12 +189,10 @@ def random_state_of(checkpoint: Checkpoint, rank: int, world_size: int) -> rando
 
 
 def saved_at_epoch_end(checkpoint: Checkpoint) -> bool:
-    """Whether ``checkpoint`` was saved after its last epoch's batches and before the next epoch's training
-    dataloader was iterated: every resumable training loader's saved position (see
-    :mod:`~mpistrategy.strategy.resumable`) is at the end of its epoch. ``False`` without such positions."""
-    loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-    positions = [p for p in loops.get("combined_loader", []) if isinstance(p, dict) and "num_batches" in p]
-    return bool(positions) and all(p.get("batches", 0) >= p["num_batches"] for p in positions)
+    """Whether ``checkpoint`` was saved after the last batch of its epoch (Lightning's loop state says so), before
+    the next epoch's training dataloader was iterated."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    return bool(loops.get("epoch_loop.batch_progress", {}).get("is_last_batch", False))
 
 
 def _is_remote(path: str) -> bool:

@@ -158,6 +158,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
                 self._finished_engine = None
                 if self._engine_state is not None:
                     self._engine.load_state_dict(self._engine_state)
+                    self._engine_state = None
         self.setup_precision_plugin()
         if fitting:
             fw.optimizers_to_device(self.optimizers, self.root_device)
@@ -324,15 +325,21 @@ class MPIADStrategyMixin(MPIStrategyBase):
         load = functools.partial(self.checkpoint_io.load_checkpoint, weights_only=weights_only)
         checkpoint = checkpoints.read(checkpoint_path, load, self.topology.control)
         self._checkpoint_path = os.fspath(checkpoint_path).removeprefix("file://")
+        if not self._fitting():  # validate, test, predict: the weights only (no sync state, replicas, random state)
+            return checkpoint
         state = checkpoint.get(CHECKPOINT_KEY)
         if state:
             if self._engine is not None:
                 self._engine.load_state_dict(state)
             else:
-                self._engine_state = state
+                self._engine_state = state  # for the engine fit builds next
         self._random_state_to_restore = checkpoints.random_state_of(checkpoint, self.global_rank, self.world_size)
         self._random_state_at_epoch_end = checkpoints.saved_at_epoch_end(checkpoint)
         return checkpoint
+
+    def _fitting(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is not None and trainer.state.fn == self._fw.TrainerFn.FITTING
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """The optimizer states (a sharded optimizer's pieces from the shard files, re-sharded if the checkpoint
@@ -359,8 +366,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         """The training dataloader of ``fit`` becomes a :class:`~mpistrategy.strategy.resumable.ResumableLoader`
         when its order can be resumed (Lightning's ``DistributedSampler``); other dataloaders are unchanged."""
         module = self.lightning_module
-        trainer = getattr(module, "_trainer", None)
-        if trainer is None or trainer.state.fn != self._fw.TrainerFn.FITTING or not trainer.training:
+        if not self._fitting() or not module.trainer.training:
             return dataloader
         if "dataloader_iter" in inspect.signature(module.training_step).parameters:
             return dataloader  # the step pulls its batches itself: no place before each fetch
@@ -460,6 +466,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def teardown(self) -> None:
         self._random_state_to_restore = None
+        self._engine_state = None
         if self._patched_plugin is not None:
             vars(self._patched_plugin).pop("clip_grad_by_norm", None)
             self._patched_plugin = None

@@ -6,12 +6,12 @@ batches of ``b`` samples the rest of the epoch is that order without its first `
 the run did. :class:`ResumableLoader` counts the batches it hands out, reports ``(epoch, k)`` through the
 ``state_dict`` / ``load_state_dict`` interface Lightning saves in the checkpoint's loop state (so Lightning treats
 the loader as resumable), and after a resume starts the interrupted epoch at index ``k * b`` of that order, without
-reading the skipped samples. It calls a hook when a pass starts, before the DataLoader makes its iterator (which
-draws its base seed from torch's generator), and a hook before each batch is fetched: the strategy restores a
-checkpoint's random state in the first where the checkpoint was saved at the end of an epoch (before the next
-epoch's iterator drew from it, so those draws are made again from it, as in the uninterrupted run), in the second
-where it was saved within an epoch (after its iterator drew), and checks for a coordinated stop there, so that all
-of it happens before the batch's data is read.
+reading the skipped samples. It calls a hook when a pass starts to be read, before the DataLoader makes its
+iterator (which draws its base seed from torch's generator), and a hook before each batch is fetched: the strategy
+restores a checkpoint's random state in the first where the checkpoint was saved at the end of an epoch (before
+the next epoch's iterator drew from it, so those draws are made again from it, as in the uninterrupted run), in
+the second where it was saved within an epoch (after its iterator drew), and checks for a coordinated stop there,
+so that all of it happens before the batch's data is read.
 
 Exact for a map-style dataset read through Lightning's ``DistributedSampler`` on the same number of ranks. On a
 different number of ranks the order of the epoch is another one: the rest of the interrupted epoch cannot be
@@ -57,7 +57,7 @@ class ResumableLoader:
         loader: a DataLoader over a map-style dataset whose batch sampler is a ``BatchSampler`` over a
             ``DistributedSampler`` (see :func:`make_resumable`).
         before_batch: called before each batch is fetched.
-        before_pass: called when a pass starts, before the loader's iterator is made.
+        before_pass: called at the first fetch of a pass, before the loader's iterator is made.
     """
 
     def __init__(
@@ -85,11 +85,14 @@ class ResumableLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._batches = self._skip_for_resume()
+        return self._batches_of()
+
+    def _batches_of(self) -> Iterator[Any]:
+        """The pass's batches. The DataLoader's iterator is made at the first fetch (a pass Lightning makes but
+        never reads, such as that of an epoch restarted at its end, draws nothing from the random generators)."""
         if self._before_pass is not None:
             self._before_pass()
-        return self._batches_of(iter(self.loader))
-
-    def _batches_of(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        iterator = iter(self.loader)
         while True:
             self._before_batch()
             try:

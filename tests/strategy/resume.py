@@ -42,6 +42,10 @@ class NoisyDropoutModel(L.LightningModule):
         scale = 1.0 + 0.1 * float(np.random.rand()) + 0.1 * random.random()
         return scale * nn.functional.mse_loss(self.net(x), y)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -77,10 +81,12 @@ def fit_noisy(
     accumulate: int = 1,
     callbacks: tuple = (),
     ckpt_path: str | None = None,
-    enable_checkpointing: bool = False,
+    validate: bool = False,
+    **trainer_options: Any,
 ) -> tuple[L.LightningModule, L.Trainer, int | None]:
     """Fit the noisy model (each rank's generators seeded differently, so each has its own random stream) with a
-    new ``strategy()``; returns the model, the trainer and the exit code of a stop (``None`` if fit returned)."""
+    new ``strategy()`` (``validate``: on the first batches of the training data too); returns the model, the
+    trainer and the exit code of a stop (``None`` if fit returned)."""
     L.seed_everything(100, verbose=False)  # also the seed of the distributed sampler: the same on every rank
     model = NoisyDropoutModel(optimizer)
     torch.manual_seed(200 + RANK)
@@ -92,10 +98,11 @@ def fit_noisy(
         default_root_dir=directory,
         accumulate_grad_batches=accumulate,
         callbacks=list(callbacks),
-        enable_checkpointing=enable_checkpointing,
+        **trainer_options,
     )
+    validation = DataLoader(shuffled_loader(batches_per_epoch).dataset, batch_size=BATCH) if validate else None
     try:
-        fit.fit(model, shuffled_loader(batches_per_epoch), ckpt_path=ckpt_path)
+        fit.fit(model, shuffled_loader(batches_per_epoch), validation, ckpt_path=ckpt_path)
     except SystemExit as stop:
         return model, fit, stop.code
     return model, fit, None

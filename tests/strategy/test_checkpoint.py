@@ -134,23 +134,42 @@ def test_stop_mid_epoch_then_resume_ends_bit_identical_to_an_uninterrupted_run(
     assert_same_training_state(resumed, reference)
 
 
-@pytest.mark.mpi(ranks=(2, 3), timeout=240)
-@pytest.mark.parametrize("saved", ["by ModelCheckpoint", "after fit"])
+#: how the end of an epoch comes: Trainer options, and the optimizer steps of an epoch
+EPOCH_ENDS = {
+    "by ModelCheckpoint": ({}, BATCHES_PER_EPOCH),
+    "by ModelCheckpoint after the validation of the epoch's second half": (
+        {"val_check_interval": 0.5, "validate": True},
+        BATCHES_PER_EPOCH,
+    ),
+    "by ModelCheckpoint with limit_train_batches": ({"limit_train_batches": 0.5}, BATCHES_PER_EPOCH // 2),
+    "after fit": ({}, BATCHES_PER_EPOCH),
+}
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=300)
+@pytest.mark.parametrize("saved", EPOCH_ENDS)
 def test_a_checkpoint_of_an_epoch_end_resumes_bit_identical_to_an_uninterrupted_run(saved: str) -> None:
     """Saved at the end of epoch 1 (dropout and the loss scale draw from every generator): each rank's random
-    state is restored before the next epoch's dataloader draws its seed, as in the uninterrupted run."""
+    state is restored just before the next epoch's dataloader draws its seed, as in the uninterrupted run, also
+    where Lightning restarts the finished epoch first (a validation in the middle of the epoch) or ends epochs
+    early (``limit_train_batches``)."""
     directory = shared_tmpdir()
+    options, steps = EPOCH_ENDS[saved]
     if saved == "after fit":
         _, first, _ = fit_noisy(directory, EPOCHS - 1, BATCHES_PER_EPOCH)
         path = os.path.join(directory, "after_fit.ckpt")
         first.save_checkpoint(path)
+        reference = _uninterrupted(1)
     else:
-        every_epoch = ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}")
-        fit_noisy(directory, EPOCHS, BATCHES_PER_EPOCH, callbacks=(every_epoch,), enable_checkpointing=True)
-        path = os.path.join(directory, f"epoch={EPOCHS - 2}.ckpt")
-    model, fit, code = fit_noisy(directory, EPOCHS, BATCHES_PER_EPOCH, ckpt_path=path)
+        every_save = ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}-{step}")
+        model, fit, _ = fit_noisy(
+            directory, EPOCHS, BATCHES_PER_EPOCH, callbacks=(every_save,), enable_checkpointing=True, **options
+        )
+        reference = (model, fit)
+        path = os.path.join(directory, f"epoch={EPOCHS - 2}-step={steps * (EPOCHS - 1)}.ckpt")
+    model, fit, code = fit_noisy(directory, EPOCHS, BATCHES_PER_EPOCH, ckpt_path=path, **options)
     assert code is None
-    assert_same_training_state((model, fit), _uninterrupted(1))
+    assert_same_training_state((model, fit), reference)
 
 
 # --- the resumable loader on its own (one process) ------------------------------------------------------------------

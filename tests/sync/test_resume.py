@@ -23,8 +23,15 @@ from mpistrategy.aggregation import Aggregator, MeanAggregator, TopK
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import DASO, Gossip, HierarchicalLocalSGD, HierarchicalSync, LocalSGD, SyncMode
 from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
-from tests.strategy.helpers import SIZE, shared_tmpdir
-from tests.strategy.resume import SIGNALS, assert_same_training_state, fit_noisy, stop_then_resume
+from tests.strategy.helpers import SIZE, assert_same_on_all_ranks, flat_parameters, shared_tmpdir, trainer
+from tests.strategy.resume import (
+    SIGNALS,
+    NoisyDropoutModel,
+    assert_same_training_state,
+    fit_noisy,
+    shuffled_loader,
+    stop_then_resume,
+)
 
 EPOCHS = 3
 BATCHES_PER_EPOCH = 8  # per rank
@@ -150,3 +157,22 @@ def test_replicas_resumed_on_another_number_of_ranks_are_dropped_with_a_warning_
     assert code != 0
     assert "needs replica 3 of scope 'rank'" in output
     assert output.count("restoring the replicas failed on rank(s) [3]") == 3, output[-4000:]
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=300)
+def test_a_checkpoint_read_by_validate_leaves_no_sync_state_to_a_later_fit() -> None:
+    """``validate(ckpt_path=...)`` reads the weights only: a later ``fit`` without ``ckpt_path`` starts local SGD
+    afresh (its warm-up averages every step, so the replicas stay equal), not from the checkpoint's step count."""
+    directory = shared_tmpdir()
+
+    def local_sgd() -> MPIADStrategy:
+        return MPIADStrategy(sync=LocalSGD(period=4, warmup_steps=BATCHES_PER_EPOCH))
+
+    _, first, _ = fit_noisy(directory, 1, BATCHES_PER_EPOCH, strategy=local_sgd)  # past the warm-up
+    path = os.path.join(directory, "trained.ckpt")
+    first.save_checkpoint(path)
+    model, later = NoisyDropoutModel(), trainer(strategy=local_sgd(), max_steps=3)
+    later.validate(model, shuffled_loader(BATCHES_PER_EPOCH), ckpt_path=path)
+    later.fit(model, shuffled_loader(BATCHES_PER_EPOCH))
+    assert later.strategy.sync.step == 3
+    assert_same_on_all_ranks(flat_parameters(model), "parameters")
