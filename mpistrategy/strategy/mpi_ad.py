@@ -395,10 +395,10 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._before_training_batch()
 
     def _before_training_pass(self) -> None:
-        """When a pass over a resumable training dataloader starts, before its iterator draws from the random
-        generators: after a resume from a checkpoint saved at the end of an epoch (before the next epoch's iterator
-        drew), restore this rank's random state here; one saved within an epoch is restored before the first
-        batch (:meth:`_before_training_batch`)."""
+        """At the first fetch of a pass over a resumable training dataloader, before its iterator draws from the
+        random generators: after a resume from a checkpoint saved at the end of an epoch (before the next epoch's
+        iterator drew), restore this rank's random state here; one saved within an epoch is restored before the
+        first batch (:meth:`_before_training_batch`)."""
         if self._random_state_at_epoch_end and self._random_state_to_restore is not None:
             random_state.restore(self._random_state_to_restore)
             self._random_state_to_restore = None
