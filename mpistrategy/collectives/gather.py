@@ -41,7 +41,7 @@ from mpistrategy.comm.buffers import (
     on_wire,
     receive_device,
 )
-from mpistrategy.comm.checks import agree, attempt, check_rank, grad_flag, signature
+from mpistrategy.comm.checks import agree, attempt, check_dim, check_rank, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.errors import CommunicationError
 from mpistrategy.comm.metadata import exchange_meta, header_of
@@ -110,14 +110,7 @@ def check_along(tensor: object, dim: int, what: str) -> int:
     check_tensor(tensor, what)
     assert isinstance(tensor, torch.Tensor)  # check_tensor raised otherwise
     check_dtype(tensor.dtype, what)
-    ndim = tensor.dim()
-    if ndim == 0:
-        raise ValueError(
-            f"{what}: needs a tensor with at least one dimension, got a 0-dimensional tensor; use tensor.reshape(1)."
-        )
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"{what}: dim={dim} is out of range for a tensor of {ndim} dimensions.")
-    return dim % ndim
+    return check_dim(dim, tensor.dim(), what)
 
 
 def check_sizes(

@@ -472,7 +472,7 @@ def _reduce_scatter_arguments(
     """This rank's checks of a reduce-scatter: the signature all ranks must share, and (block sizes, dim)."""
     _check_reduction(tensor, op, what, f"supported by {what}; use allreduce for max and min")
     dim = check_dim(dim, tensor.dim(), what)
-    length = tensor.shape[dim] if tensor.dim() else 1
+    length = tensor.shape[dim]
     if equal and length % comm.size:
         raise ValueError(
             f"{what}: dimension {dim} has length {length}, not divisible by the {comm.size} ranks; "

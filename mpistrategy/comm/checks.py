@@ -87,10 +87,15 @@ def check_rank(value: int, comm: Communicator, what: str, role: str = "root") ->
 
 
 def check_dim(dim: int, ndim: int, what: str) -> int:
-    """Normalise a possibly negative dimension index, raising if it is out of range."""
-    if not -max(ndim, 1) <= dim < max(ndim, 1):
+    """Normalise a possibly negative dimension index of a tensor with ``ndim >= 1`` dimensions, raising if it is out
+    of range or the tensor is 0-dimensional (it has no dimension to split or join along)."""
+    if ndim == 0:
+        raise ValueError(
+            f"{what}: needs a tensor with at least one dimension, got a 0-dimensional tensor; use tensor.reshape(1)."
+        )
+    if not -ndim <= dim < ndim:
         raise ValueError(f"{what}: dim={dim} is out of range for a tensor of {ndim} dimensions.")
-    return dim % max(ndim, 1)
+    return dim % ndim
 
 
 def signature(tensor: torch.Tensor | None, *extra: object, skip_dim: int | None = None) -> tuple:

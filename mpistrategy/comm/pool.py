@@ -6,8 +6,11 @@ with MPICH over shared memory (2 ranks), a 4 MB allreduce forward and backward t
 1.20x the same MPI calls into reused buffers, and 0.95x once its results came from this pool.
 
 The pool keeps the storages of results it handed out (up to ``per_size`` per byte size and ``capacity`` bytes in
-all) and hands one out again only when no tensor, view, array or autograd node refers to it any more: the same
-moment glibc could reuse the memory after a ``free``, so recycling never aliases live data. Storages of sizes
+all) and hands one out again only when no tensor, view, array, autograd node or Python storage object
+(``result.untyped_storage()`` kept by the caller) refers to it any more: the same moment glibc could reuse the
+memory after a ``free``, so recycling never aliases live data. Tensors, arrays and autograd nodes hold the storage
+in C++ (its use count); a Python storage object is one object per storage, the one the pool keeps, so a caller
+holding it shows as a Python reference beyond the pool's own. Storages of sizes
 not asked for lately make room for new sizes; :meth:`ReceivePool.clear` returns all held memory.
 ``MPISTRATEGY_RECEIVE_POOL_BYTES`` sets the capacity (default 256 MiB; 0 switches the pool off).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 from collections import OrderedDict
 
@@ -39,6 +43,7 @@ class ReceivePool:
     def __init__(self, capacity: int, min_bytes: int = _MIN_BYTES, per_size: int = _PER_SIZE) -> None:
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)
         self.capacity = capacity if self._use_count is not None else 0
+        self._unreferenced = self._references([torch.UntypedStorage(0)], 0) if self.capacity else (0, 0)
         self.min_bytes = min_bytes
         self.per_size = per_size
         self._storages: OrderedDict[int, list[torch.UntypedStorage]] = OrderedDict()
@@ -69,18 +74,25 @@ class ReceivePool:
             self._storages.clear()
             self._held = 0
 
-    def _is_free(self, storage: torch.UntypedStorage) -> bool:
+    def _references(self, kept: list[torch.UntypedStorage], index: int) -> tuple[int, int]:
+        """The C++ use count and the Python reference count of ``kept[index]``, as this method sees them."""
         assert self._use_count is not None  # the capacity is 0 without it
-        return self._use_count(storage._cdata) == 1  # only the pool's own reference is left
+        storage = kept[index]
+        return self._use_count(storage._cdata), sys.getrefcount(storage)
+
+    def _is_free(self, kept: list[torch.UntypedStorage], index: int) -> bool:
+        """Whether only the pool refers to ``kept[index]``: its counts equal those of a storage held by a list only
+        (measured once, through the same method, so that the interpreter's own references cancel out)."""
+        return self._references(kept, index) == self._unreferenced
 
     def _free_storage(self, nbytes: int) -> torch.UntypedStorage | None:
         kept = self._storages.get(nbytes)
         if not kept:
             return None
         self._storages.move_to_end(nbytes)
-        for storage in kept:
-            if self._is_free(storage) and storage.nbytes() == nbytes:
-                return storage
+        for index in range(len(kept)):
+            if self._is_free(kept, index) and kept[index].nbytes() == nbytes:
+                return kept[index]
         return None
 
     def _keep(self, nbytes: int, storage: torch.UntypedStorage) -> None:
@@ -100,8 +112,8 @@ class ReceivePool:
         for nbytes, kept in self._storages.items():
             if nbytes == keeping:
                 continue
-            for index, storage in enumerate(kept):
-                if self._is_free(storage):
+            for index in range(len(kept)):
+                if self._is_free(kept, index):
                     del kept[index]
                     self._held -= nbytes
                     if not kept:

@@ -128,6 +128,9 @@ CASES: dict[str, Case] = {
     "reduce_scatter-indivisible": Case(
         "reduce_scatter", lambda bad: ms.reduce_scatter(torch.ones(2 * size() + bad)), ValueError
     ),
+    "reduce_scatter_v-0-dimensional": Case(
+        "reduce_scatter_v", lambda bad: ms.reduce_scatter_v(torch.tensor(1.0) if bad else ones(False)), ValueError
+    ),
     "reduce_scatter_v-bad-sizes": Case(
         "reduce_scatter_v",
         lambda bad: ms.reduce_scatter_v(ones(False), [2] * (size() - 1) + [2 + bad]),

@@ -68,3 +68,15 @@ def test_gradients_survive_the_next_step() -> None:
     kept = weight.grad
     ms.allreduce(weight * 2).sum().backward()
     assert torch.equal(kept, weight.grad) and torch.equal(weight.grad, first * 3)
+
+
+def test_a_kept_storage_object_is_live_memory() -> None:
+    """``result.untyped_storage()`` held after the result is dropped still refers to the memory: the next results
+    must land elsewhere and leave its values as they were."""
+    x = random_like_rank((N,), seed=11)
+    storage = ms.allreduce(x).untyped_storage()
+    expected = _expected("allreduce", x)
+    later = [ms.allreduce(x * 2) for _ in range(3)]
+    assert all(result.data_ptr() != storage.data_ptr() for result in later)
+    kept = torch.empty(0, dtype=x.dtype).set_(storage)
+    torch.testing.assert_close(kept, expected, rtol=1e-12, atol=1e-12)

@@ -300,6 +300,9 @@ def test_reduce_scatter_errors_raise_on_every_rank() -> None:
             ms.reduce_scatter(torch.ones(size() + 1))
     with pytest.raises(ValueError, match="sizes"):
         ms.reduce_scatter_v(torch.ones(3), [1] * (size() + 1))
+    for scatter in (ms.reduce_scatter, ms.reduce_scatter_v):  # a 0-d tensor has no dimension to split, at 1 rank too
+        with pytest.raises(ValueError, match=r"0-dimensional tensor; use tensor.reshape\(1\)"):
+            scatter(torch.tensor(2.0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
