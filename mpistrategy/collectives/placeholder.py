@@ -63,6 +63,29 @@ class Placeholder:
 
     __radd__ = __add__
 
+    def not_here(self) -> str:
+        """Why this rank cannot use the value, and what it can do instead."""
+        where = f"rank {self.holder}" if self.holder is not None else "other ranks"
+        return (
+            f"{self.op}'s result is not on this rank: it is held by {where}. This rank holds a Placeholder "
+            "(shape and dtype only); call .backward() on it or add it to the loss to take part in backward."
+        )
+
+    def __getattr__(self, name: str) -> object:
+        # only names a Placeholder lacks get here (``ph.sum``, ``ph.item``); protocol lookups stay plain
+        if name.startswith("__") or name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(f"Placeholder has no .{name}: {self.not_here()}")
+
+    def _refuse(self, *args: object) -> torch.Tensor:
+        raise TypeError(self.not_here())
+
+    # arithmetic other than addition, indexing and conversions: the value is elsewhere
+    __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _refuse
+    __matmul__ = __rmatmul__ = __pow__ = __rpow__ = __mod__ = __rmod__ = __neg__ = __abs__ = _refuse
+    __getitem__ = __setitem__ = __iter__ = __len__ = __float__ = __int__ = __bool__ = __index__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -71,11 +94,7 @@ class Placeholder:
             return func(*linked, **kwargs)
         holder = _find_placeholder((*args, *kwargs.values()))
         assert holder is not None  # torch calls this only when an argument is a Placeholder
-        where = f"rank {holder.holder}" if holder.holder is not None else "other ranks"
-        raise TypeError(
-            f"{holder.op}'s result is not on this rank: it is held by {where}. This rank holds a Placeholder "
-            "(shape and dtype only); call .backward() on it or add it to the loss to take part in backward."
-        )
+        raise TypeError(holder.not_here())
 
 
 _ADDITIONS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)

@@ -353,5 +353,17 @@ def test_placeholder_names_the_root_and_refuses_tensor_ops() -> None:
         torch.sin(out)
     with pytest.raises(TypeError, match=f"held by rank {root}"):
         torch.cat([torch.ones(2, 3), out])
-    with pytest.raises(TypeError):
-        torch.ones(2, 3) * out
+    operators = {
+        "multiplied": lambda: torch.ones(2, 3) * out,
+        "subtracted": lambda: out - 1,
+        "indexed": lambda: out[0],
+        "converted": lambda: float(out),
+        "tested for truth": lambda: bool(out),
+    }
+    for what, use in operators.items():
+        with pytest.raises(TypeError, match=f"held by rank {root}"):
+            use()
+            pytest.fail(f"a placeholder {what}")
+    for method in ("sum", "item", "numpy", "to"):
+        with pytest.raises(AttributeError, match=f"no .{method}: gather's result is not on this rank"):
+            getattr(out, method)
