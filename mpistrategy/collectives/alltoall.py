@@ -16,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._layout import from_front, to_front
 from mpistrategy.collectives._second_order import recording
 from mpistrategy.collectives.gather import _blocks, check_along, check_sizes, raise_if_flagged
@@ -35,7 +36,7 @@ def _alltoall_front(
     return off_wire(result, front.dtype, front.device)
 
 
-class _Alltoall(torch.autograd.Function):
+class _Alltoall(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], dim: int, comm: Communicator):
         ctx.send_sizes, ctx.recv_sizes, ctx.dim, ctx.comm = send_sizes, recv_sizes, dim, comm

@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._second_order import refuse_if_recording
 from mpistrategy.collectives.placeholder import anchor
 from mpistrategy.collectives.reduction import _broadcast_from
@@ -44,7 +45,7 @@ def _receive(
     return _broadcast_from(source, meta.shape, meta.dtype, device, root, comm.forward, out)
 
 
-class _Broadcast(torch.autograd.Function):
+class _Broadcast(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, meta: TensorMeta, device: torch.device, root: int, comm: Communicator):
         ctx.root, ctx.comm = root, comm

@@ -27,6 +27,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
 from mpistrategy.collectives._second_order import refuse_if_recording
 from mpistrategy.collectives.placeholder import Placeholder, anchor
@@ -215,7 +216,7 @@ _DESCRIBE_EQUAL = "dtype, shape, requires_grad, dim, root"
 _DESCRIBE_V = "dtype, shape (but along dim), requires_grad, dim, root, sizes"
 
 
-class _Gather(torch.autograd.Function):
+class _Gather(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, sizes: list[int], dim: int, root: int, comm: Communicator):
         ctx.sizes, ctx.dim, ctx.root, ctx.comm = sizes, dim, root, comm
@@ -290,7 +291,7 @@ def gather_v(
 # scatter
 
 
-class _Scatter(torch.autograd.Function):
+class _Scatter(CollectiveFunction):
     @staticmethod
     def forward(
         ctx,

@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._second_order import recording, refuse_if_recording
 from mpistrategy.comm.watchdog import watched_at_exit
 
@@ -138,7 +139,9 @@ class Link:
         self.backward: Work | None = None
 
 
-class _Start(torch.autograd.Function):
+class _Start(CollectiveFunction):
+    op_name = "a non-blocking op"
+
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, link: Link) -> torch.Tensor:
         ctx.link = link
@@ -150,7 +153,9 @@ class _Start(torch.autograd.Function):
         return ctx.link.backward.wait(), None
 
 
-class _Finish(torch.autograd.Function):
+class _Finish(CollectiveFunction):
+    op_name = "a non-blocking op"
+
     @staticmethod
     def forward(ctx, token: torch.Tensor, link: Link) -> torch.Tensor:
         ctx.link = link

@@ -78,6 +78,7 @@ from mpi4py import MPI
 
 from mpistrategy.collectives import _p2p_wire as wire
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._second_order import refuse_if_recording
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder, anchor
@@ -155,10 +156,11 @@ def _prepare_send(
         return comm, header
     problem = problem or source
     assert problem is not None
-    wire.notify(problem, comm, dst, tag, what)
-    if src is not None and source is None:
-        with contextlib.suppress(CommunicationError):  # src failed too: its notice is dropped like its message
-            wire.receive(wire.expect(comm, src, tag, wire.CPU, what))
+    with torch._C._DisableFuncTorch():  # plain buffers also inside a torch.func transform (which header_of refuses)
+        wire.notify(problem, comm, dst, tag, what)
+        if src is not None and source is None:
+            with contextlib.suppress(CommunicationError):  # src failed too: its notice is dropped like its message
+                wire.receive(wire.expect(comm, src, tag, wire.CPU, what))
     raise problem
 
 
@@ -176,7 +178,7 @@ def wait_backward_sends() -> None:
 # Autograd nodes of the blocking ops
 
 
-class _Send(torch.autograd.Function):
+class _Send(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, header: torch.Tensor, dst: int, tag: int, comm: Communicator):
         ctx.dst, ctx.comm, ctx.number = dst, comm, int(header[HEADER_LENGTH])
@@ -192,7 +194,7 @@ class _Send(torch.autograd.Function):
         return pending.wait(), None, None, None, None
 
 
-class _Recv(torch.autograd.Function):
+class _Recv(CollectiveFunction):
     @staticmethod
     def forward(ctx, link: torch.Tensor, entry: wire.Incoming, comm: Communicator):
         ctx.src, ctx.number, ctx.comm = entry.src, entry.number, comm
@@ -205,7 +207,7 @@ class _Recv(torch.autograd.Function):
         return None, None, None
 
 
-class _SendRecv(torch.autograd.Function):
+class _SendRecv(CollectiveFunction):
     @staticmethod
     def forward(
         ctx,

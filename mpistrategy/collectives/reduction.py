@@ -35,6 +35,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._layout import from_front, offsets, split_sizes, to_front
 from mpistrategy.collectives._product import start_exclusive_product, times_others
 from mpistrategy.collectives._second_order import recording, refuse_if_recording
@@ -131,7 +132,7 @@ def _start_allreduce(
     return Pending([request], lambda: _allreduce_result(result, tensor, op, size, out), keepalive=(sent, result))
 
 
-class _Allreduce(torch.autograd.Function):
+class _Allreduce(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, op: str, comm: Communicator) -> torch.Tensor:
         others = start_exclusive_product(tensor, comm) if op == "prod" else None
@@ -327,7 +328,7 @@ def _broadcast_from(
     return deliver(buffer, out, dtype, device, "broadcast")
 
 
-class _Reduce(torch.autograd.Function):
+class _Reduce(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, op: str, root: int, comm: Communicator) -> torch.Tensor:
         ctx.op, ctx.root, ctx.comm = op, root, comm
@@ -413,7 +414,7 @@ def _allgather_front(
     return deliver(result, out, front.dtype, front.device, "allgather")
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatter(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, sizes: list[int], dim: int, op: str, comm: Communicator):
         ctx.sizes, ctx.dim, ctx.op, ctx.comm = sizes, dim, op, comm
@@ -448,7 +449,7 @@ def _allgather_along(
     return deliver(gathered, out, tensor.dtype, tensor.device, "allgather")
 
 
-class _Allgather(torch.autograd.Function):
+class _Allgather(CollectiveFunction):
     """``allgather`` and ``allgather_v`` on the autograd path (the adjoint pair of :class:`_ReduceScatter`)."""
 
     @staticmethod

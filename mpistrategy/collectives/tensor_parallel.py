@@ -15,13 +15,14 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives._compile import eager_under_compile
+from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._second_order import recording
 from mpistrategy.collectives.reduction import _allreduce, _check_reduction
 from mpistrategy.comm.checks import checked, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 
 
-class _CopyToParallel(torch.autograd.Function):
+class _CopyToParallel(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm = comm
@@ -34,7 +35,7 @@ class _CopyToParallel(torch.autograd.Function):
         return _allreduce(grad, "sum", ctx.comm.backward, ctx.comm.size), None
 
 
-class _ReduceFromParallel(torch.autograd.Function):
+class _ReduceFromParallel(CollectiveFunction):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm = comm

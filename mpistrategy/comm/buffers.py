@@ -100,6 +100,19 @@ def check_tensor(tensor: object, what: str) -> None:
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}.")
     if tensor.is_meta:
         raise ValueError(_META.format(what=what, name="the tensor is"))
+    refuse_transformed(tensor, what)
+
+
+def refuse_transformed(tensor: torch.Tensor, what: str) -> None:
+    """Raise if ``tensor`` is wrapped by a torch.func transform (a batch of ``vmap``, a level of ``grad``): MPI
+    needs a tensor with memory, and a batched call would send once for many values."""
+    functorch = torch._C._functorch
+    if functorch.is_functorch_wrapped_tensor(tensor) or functorch.is_legacy_batchedtensor(tensor):
+        raise TypeError(
+            f"{what}: called inside a torch.func transform (vmap, grad, jacrev, jacfwd, or jacobian/hessian with "
+            "vectorize=True), which the MPI collectives do not support; use torch.autograd.functional.jacobian "
+            "with vectorize=False, or loop over the batch."
+        )
 
 
 _META = (

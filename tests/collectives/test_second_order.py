@@ -157,3 +157,31 @@ def test_ops_without_second_derivatives_refuse_create_graph_on_every_rank(case: 
         torch.autograd.grad(_refusing_loss(case, x), x, create_graph=True)
     (first,) = torch.autograd.grad(_refusing_loss(case, x), x)  # first derivatives still work: the ranks are in step
     assert first.shape == x.shape and COMM.allreduce(1) == size()
+
+
+TRANSFORMED: dict[str, tuple[str, Distributed]] = {
+    "allreduce": ("allreduce", lambda x: ms.allreduce(2 * x)),
+    "reduce_scatter_v": ("reduce_scatter", lambda x: ms.reduce_scatter_v(2 * x)),
+    "iallreduce": ("a non-blocking op", lambda x: ms.iallreduce(2 * x).wait()),
+    "sendrecv": ("send_recv", lambda x: ms.sendrecv(2 * x, dst=(rank() + 1) % size(), src=(rank() - 1) % size())),
+}
+_UNSUPPORTED = "called inside a torch.func transform"
+
+
+@pytest.mark.parametrize("case", sorted(TRANSFORMED))
+def test_torch_func_transforms_are_refused_on_every_rank(case: str) -> None:
+    """vmap and jacrev reach the op's forward with wrapped tensors, jacobian(vectorize=True) its backward with
+    batched cotangents: each raises an error naming the op and the fix before anything is sent, and the loop-based
+    jacobian (vectorize=False) still works: sum_r d(y_r . e_i)/dx on this rank, 2P times the identity for allreduce."""
+    backward_name, op = TRANSFORMED[case]
+    x = random_like_rank((size(),), seed=5, dtype=torch.float64)
+    with pytest.raises(TypeError, match=f"^{case}: {_UNSUPPORTED}"):
+        torch.func.vmap(op)(x.unsqueeze(0))
+    with pytest.raises(TypeError, match=f"^{case}: {_UNSUPPORTED}"):
+        torch.func.jacrev(op)(x)
+    with pytest.raises(TypeError, match=f"^the backward of {backward_name}: {_UNSUPPORTED}.*vectorize=False"):
+        torch.autograd.functional.jacobian(op, x, vectorize=True)
+    jacobian = torch.autograd.functional.jacobian(op, x)
+    if case == "allreduce":
+        torch.testing.assert_close(jacobian, 2.0 * size() * torch.eye(size(), dtype=torch.float64))
+    assert jacobian.shape[1:] == x.shape and COMM.allreduce(1) == size()
