@@ -15,6 +15,13 @@ some rank did not answer, the lowest rank that answered first waits for the othe
 ``MPI_Abort`` with that code, which ends the ranks that could not answer (a launcher on a cluster does not end the
 ranks on other nodes when one exits).
 
+Uneven training data is found without waiting for the timeout: the strategy tells the watchdog which batch of
+which training pass (fit, epoch) it has started and, when a pass's data ended, after how many batches; the watchdog
+sends that end to every other rank's watchdog. Once a rank learns that a peer's data of a pass ended after fewer
+batches than it has started, or after another number than its own, the ranks no longer run the same collectives
+(the longer ones wait for peers that will not come, or pair their collectives with the peers' next epoch): it
+raises the alarm at once, and the report names each rank's number of batches.
+
 A rank that ends its script waits at exit (an ``atexit`` hook that runs before ``MPI_Finalize``) until every rank
 has ended its own, its watchdog still answering: a rank that finished while another waits in a collective is named
 in the report as ended, and every rank exits by itself, instead of one sitting silent in ``MPI_Finalize`` until
@@ -53,7 +60,9 @@ ACTIONS = ("abort", "warn")
 
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
-_ALARM, _STATE, _WRITTEN = 1, 2, 3
+_ALARM, _STATE, _WRITTEN, _DATA_END = 1, 2, 3, 4
+# How many recent training passes a watchdog keeps the batch counts of.
+_PASSES_KEPT = 8
 # The launcher forwards a report's output before it tears the job down within this time.
 _OUTPUT_SECONDS = 0.5
 _PACKAGE_ROOT = calls.package_root()
@@ -125,6 +134,12 @@ class Watchdog:
         self._sends: list[MPI.Request] = []
         self._pid = os.getpid()
         self._ended: float | None = None  # when this rank's script ended (time.time())
+        self._sends_lock = threading.Lock()
+        # per training pass (fit, epoch): this rank's batches started and, once its data ended, their number
+        self._started: dict[tuple[int, int], int] = {}
+        self._own_ends: dict[tuple[int, int], int] = {}
+        self._data_ends: dict[tuple[int, int], dict[int, int]] = {}  # the same, told by the other ranks
+        self._uneven_reported = False
         self._thread = threading.Thread(target=self._run, name="mpistrategy-watchdog", daemon=True)
         self._thread.start()
 
@@ -160,9 +175,31 @@ class Watchdog:
         while not self._stopping.wait(self._interval()):
             trigger = self._received_alarm()
             if trigger is None and _timeout > 0:
-                trigger = self._own_stall()
+                trigger = self._uneven_data()
+            if trigger is None and _timeout > 0 and self._ended is None:
+                since = self._waiting_since()
+                if since is not None:
+                    trigger = self._own_stall(since)
             if trigger is not None:
                 self._report(trigger)
+
+    def batch_started(self, training_pass: tuple[int, int], batch: int) -> None:
+        """This rank has started batch ``batch`` (1-based) of ``training_pass``."""
+        self._started[training_pass] = max(batch, self._started.get(training_pass, 0))
+        _keep_recent(self._started)
+
+    def data_ended(self, training_pass: tuple[int, int], batches: int) -> None:
+        """Tell every other rank that this rank's training data of ``training_pass`` ended after ``batches``."""
+        self._own_ends[training_pass] = batches
+        _keep_recent(self._own_ends)
+        if _timeout <= 0:
+            return
+        message = pickle.dumps((self.rank, training_pass, batches))
+        with self._sends_lock:
+            self._sends = [request for request in self._sends if not request.Test()]
+        for other in range(self.size):
+            if other != self.rank:
+                self._send(message, other, _DATA_END)
 
     # ------------------------------------------------------------------------------------------------ detection
 
@@ -171,14 +208,22 @@ class Watchdog:
         watched = {threading.main_thread().ident, calls.current_thread}
         return {ident: frames[ident] for ident in watched if ident is not None and ident in frames}
 
-    def _own_stall(self) -> dict[str, Any] | None:
-        """This rank's alarm, once it has waited in mpistrategy longer than the timeout (sent to every rank).
-
-        The threads' frames are looked at only once no collective was entered for a whole poll interval: a frame
-        object held here keeps its locals (tensors) alive after the function returns, which must not happen while
-        the program runs (it could not free a shared-memory window, for one)."""
-        if self._ended is not None:
+    def _own_stall(self, since: float) -> dict[str, Any] | None:
+        """This rank's alarm, once it has waited in mpistrategy (since ``since``) longer than the timeout (sent to
+        every rank)."""
+        waited = time.time() - since
+        if waited <= _timeout or self._polled_key == self._reported_key:
             return None
+        self._reported_key = self._polled_key
+        return self._alarm(waited)
+
+    def _waiting_since(self) -> float | None:
+        """When this rank's current wait in mpistrategy began, once it has lasted a whole poll interval without a
+        collective entered (``None``: not waiting).
+
+        The threads' frames are looked at only then: a frame object held here keeps its locals (tensors) alive
+        after the function returns, which must not happen while the program runs (it could not free a
+        shared-memory window, for one)."""
         key = calls.entries()
         if key != self._polled_key:
             self._polled_key = key
@@ -187,21 +232,43 @@ class Watchdog:
         if not any(_inside_package(frame) for frame in self._waiting_frames().values()):
             self._watched_key = -1
             return None
-        now = time.time()
         if key != self._watched_key:
             self._watched_key = key
             current = calls.current
-            self._since = current.started if current is not None else now
-        waited = now - self._since
-        if waited <= _timeout or key == self._reported_key:
+            self._since = current.started if current is not None else time.time()
+        return self._since
+
+    def _uneven_data(self) -> dict[str, Any] | None:
+        """The alarm of a rank whose number of batches in a training pass differs from a peer's (sent to every
+        rank), else ``None``; once."""
+        status = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, _DATA_END, status):
+            message = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv([message, MPI.BYTE], status.Get_source(), _DATA_END)
+            rank, training_pass, batches = pickle.loads(message)
+            self._data_ends.setdefault(training_pass, {})[rank] = batches
+            _keep_recent(self._data_ends)
+        if self._uneven_reported:
             return None
-        self._reported_key = key
+        for training_pass, ends in list(self._data_ends.items()):
+            started, own = self._started.get(training_pass, 0), self._own_ends.get(training_pass)
+            if any(count < started or (own is not None and count != own) for count in ends.values()):
+                self._uneven_reported = True
+                counts = {other: f"{count} batch{'es' if count != 1 else ''}" for other, count in ends.items()}
+                counts[self.rank] = f"{own} batches" if own is not None else f"started batch {started}"
+                return self._alarm(0.0, uneven={"epoch": training_pass[1], "counts": dict(sorted(counts.items()))})
+        return None
+
+    def _alarm(self, waited: float, **cause: Any) -> dict[str, Any]:
+        """This rank's alarm (it has waited ``waited`` seconds; ``cause``: what else it found), sent to every other
+        rank."""
         alarm = {
             "rank": self.rank,
             "waited": waited,
             "call": _call_state(calls.current),
             "where": _innermost(self._waiting_frames()),
             "last": _call_state(calls.last),
+            **cause,
         }
         message = pickle.dumps(alarm)
         for other in range(self.size):
@@ -222,9 +289,11 @@ class Watchdog:
 
     def _send(self, message: bytes, dest: int, tag: int) -> None:
         try:
-            self._sends.append(self.comm.Isend([message, MPI.BYTE], dest, tag))
+            request = self.comm.Isend([message, MPI.BYTE], dest, tag)
         except MPI.Exception:  # a rank that is gone cannot be told
-            pass
+            return
+        with self._sends_lock:
+            self._sends.append(request)
 
     # --------------------------------------------------------------------------------------------------- report
 
@@ -304,6 +373,12 @@ class Watchdog:
                 time.sleep(0.01)
 
 
+def _keep_recent(per_pass: dict[tuple[int, int], Any]) -> None:
+    """Forget all but the most recent training passes."""
+    for training_pass in sorted(per_pass)[:-_PASSES_KEPT]:
+        del per_pass[training_pass]
+
+
 def _call_state(call: calls.Call | None) -> dict[str, Any] | None:
     if call is None:
         return None
@@ -358,10 +433,22 @@ def format_report(
         after = "" if last is None else f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
         waited_in, members, missing = f"{trigger['where']}{after}", list(range(size)), []
     silent = [other for other in range(size) if other not in states]
-    lines = [
-        f"[mpistrategy] stall (reported on rank {rank}): rank {trigger['rank']} has waited "
-        f"{trigger['waited']:.1f} s in {waited_in} (MPISTRATEGY_STALL_TIMEOUT={timeout:g} s)."
-    ]
+    uneven = trigger.get("uneven")
+    if uneven is not None:
+        counts = "; ".join(f"rank {other}: {count}" for other, count in uneven["counts"].items())
+        lines = [
+            f"[mpistrategy] uneven training data (found on rank {trigger['rank']}, reported on rank {rank}): the "
+            f"ranks' training data of epoch {uneven['epoch']} has different numbers of batches ({counts}), so the "
+            "ranks no longer run the same collectives (the longer ones wait for ranks that will not take part, or "
+            "pair theirs with the next epoch's). Give every rank the same number of batches per epoch: split an "
+            "IterableDataset evenly over the ranks (the remainder dropped), keep Lightning's DistributedSampler "
+            "for a map-style dataset (use_distributed_sampler=True), or cap the epoch with limit_train_batches."
+        ]
+    else:
+        lines = [
+            f"[mpistrategy] stall (reported on rank {rank}): rank {trigger['rank']} has waited "
+            f"{trigger['waited']:.1f} s in {waited_in} (MPISTRATEGY_STALL_TIMEOUT={timeout:g} s)."
+        ]
     if missing:
         lines.append(f"  not arrived: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
     if silent:
@@ -416,6 +503,20 @@ def start(comm: MPI.Intracomm) -> None:
     global _watchdog
     if _watchdog is None and comm.Get_size() > 1:
         _watchdog = Watchdog(comm)
+
+
+def training_batch_started(training_pass: tuple[int, int], batch: int) -> None:
+    """Tell this rank's watchdog that it has started batch ``batch`` (1-based) of the training pass
+    ``training_pass`` (fit, epoch) (see the module docstring: uneven data)."""
+    if _watchdog is not None:
+        _watchdog.batch_started(training_pass, batch)
+
+
+def training_data_ended(training_pass: tuple[int, int], batches: int) -> None:
+    """This rank's training data of the pass ``training_pass`` (fit, epoch) ended after ``batches`` batches: tell
+    every other rank's watchdog."""
+    if _watchdog is not None:
+        _watchdog.data_ended(training_pass, batches)
 
 
 _exit_hooks: set[Callable[[], None]] = set()

@@ -141,7 +141,9 @@ class DataParallelEngine:
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
         if self.sharding is not None:
-            self.sharding.add_optimizer(optimizer)
+            sharding = self.sharding
+            self._agreed(lambda: sharding.check_optimizer(optimizer), "sharding the optimizer")
+            sharding.add_optimizer(optimizer)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: Any) -> None:
         """Make ``optimizer.zero_grad()`` (and its wrappers' ``aliases``) zero the gradients where the engine keeps

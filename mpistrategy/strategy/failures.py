@@ -64,6 +64,7 @@ class StopRequested(SystemExit):
 
 _excepthook_installed = False
 _os_exit_reported = False
+_training = False  # a fit is training (set by the strategy)
 _abort_lock = threading.Lock()
 _exit_process = os._exit
 
@@ -140,14 +141,26 @@ def report_os_exit() -> None:
             rank, size = _world()
             if size > 1:
                 where = "".join(traceback.format_stack()[:-1])
+                ends = ""
+                if status == 0 and _training:
+                    status = 1
+                    ends = " (code 0 while training: the job did not finish, so this rank exits with code 1)"
                 _write_stderr(
                     f"[mpistrategy] rank {rank} of {size} (pid {installer}) exited with code {status} through "
-                    f"os._exit before the job finished; the launcher ends the other ranks. Called from:\n{where}"
+                    f"os._exit before the job finished{ends}; the launcher ends the other ranks. Called from:\n"
+                    f"{where}"
                 )
         _exit_process(status)
 
     os._exit = reporting_exit
     _os_exit_reported = True
+
+
+def set_training(active: bool) -> None:
+    """Whether a fit is training now: ``os._exit(0)`` then leaves a job that did not finish, so it exits with
+    code 1 instead (see :func:`report_os_exit`)."""
+    global _training
+    _training = active
 
 
 def is_coordinated_stop(error: BaseException) -> bool:

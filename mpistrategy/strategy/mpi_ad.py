@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import os
 import signal
@@ -47,12 +48,13 @@ except ImportError:  # the core install has no Lightning
     raise
 from torch import Tensor
 
+from mpistrategy.comm import watchdog
 from mpistrategy.strategy import checkpoints, failures, random_state
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.framework import LIGHTNING, framework
 from mpistrategy.strategy.reducer import GradientReducer
-from mpistrategy.strategy.resumable import make_resumable
+from mpistrategy.strategy.resumable import CountedLoader, make_resumable, unwrapped
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
 from mpistrategy.strategy.sharding import files as sharded_files
 from mpistrategy.strategy.sharding.training import ShardedTraining
@@ -60,6 +62,23 @@ from mpistrategy.strategy.sharding.training import ShardedTraining
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = checkpoints.KEY
+
+
+def _param_group_callback_problem(trainer: Any) -> ValueError | None:
+    """The error to raise if a callback adds parameter groups while training, which a sharded optimizer cannot
+    take (Lightning's BaseFinetuning and its subclasses), else ``None``."""
+    for callback in trainer.callbacks:
+        if any(base.__name__ == "BaseFinetuning" for base in type(callback).__mro__):
+            return ValueError(
+                f"shard=: the callback {type(callback).__name__} adds parameter groups to the optimizer while "
+                "training (a BaseFinetuning callback), which a sharded optimizer does not support. Use shard=None "
+                "with it, or freeze and unfreeze the backbone yourself (requires_grad) with every parameter in "
+                "configure_optimizers' groups from the start."
+            )
+    return None
+
+
+_fits = itertools.count()  # this process's fits, the same sequence on every rank (the watchdog's training passes)
 
 
 class MPIADStrategyMixin(MPIStrategyBase):
@@ -129,6 +148,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._patched_plugin: Any = None
         self._checkpoint_path: str | None = None
         self._sharding: ShardedTraining | None = None  # kept after fit: a checkpoint saved then needs it
+        self._fit_index = -1
+        self._training_pass = (-1, -1)  # (fit, epoch) of the training dataloader's current pass
+        self._pass_offset = 0  # the batches of its epoch done before it began (a resumed epoch)
 
     @property
     def _fw(self):
@@ -140,6 +162,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         fw = self._fw
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self._fit_index = next(_fits)
         fitting = trainer.state.fn == fw.TrainerFn.FITTING
         if fitting and self._layer_sync is not None:
             layer_sync = self._layer_sync
@@ -152,6 +175,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self.broadcast_module_state(self.model)
         self._attach_metric_sync()
         if fitting:
+            problem = _param_group_callback_problem(trainer) if self.shard is not None else None
+            failures.raise_together(problem, self.topology.control, "setting up shard=", ValueError)  # every rank
             self.setup_optimizers(trainer)
             if self.world_size > 1 and self.data_parallel:
                 self._engine = self._build_engine(self.model, self.optimizers)
@@ -364,14 +389,16 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def process_dataloader(self, dataloader: object) -> object:
         """The training dataloader of ``fit`` becomes a :class:`~mpistrategy.strategy.resumable.ResumableLoader`
-        when its order can be resumed (Lightning's ``DistributedSampler``); other dataloaders are unchanged."""
+        when its order can be resumed (Lightning's ``DistributedSampler``), else a
+        :class:`~mpistrategy.strategy.resumable.CountedLoader`; other dataloaders are unchanged."""
         module = self.lightning_module
         if not self._fitting() or not module.trainer.training:
             return dataloader
         if "dataloader_iter" in inspect.signature(module.training_step).parameters:
             return dataloader  # the step pulls its batches itself: no place before each fetch
-        resumable = make_resumable(dataloader, self._before_training_batch, self._before_training_pass)
-        return dataloader if resumable is None else resumable
+        hooks = (self._before_training_pass, self._training_pass_ended)
+        resumable = make_resumable(dataloader, self._before_training_batch, *hooks)
+        return CountedLoader(unwrapped(dataloader), *hooks) if resumable is None else resumable
 
     # -------------------------------------------------------------------------------------- failures
 
@@ -386,22 +413,36 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._attach_metric_sync()
         self._install_stop_signals()
         self._checked_step = -1
+        failures.set_training(True)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Before each batch: the sync mode's epoch boundaries; then, for a training dataloader that is not
-        resumable (its batch is fetched already), :meth:`_before_training_batch`."""
+        resumable (its batch is fetched already), :meth:`_before_training_batch`; the watchdog learns where this
+        rank is in the pass."""
         if self._engine is not None and self.lightning_module is not None:
             self._track_epoch(self.lightning_module.trainer)
         self._before_training_batch()
+        watchdog.training_batch_started(self._training_pass, batch_idx + 1)
 
     def _before_training_pass(self) -> None:
-        """At the first fetch of a pass over a resumable training dataloader, before its iterator draws from the
-        random generators: after a resume from a checkpoint saved at the end of an epoch (before the next epoch's
-        iterator drew), restore this rank's random state here; one saved within an epoch is restored before the
-        first batch (:meth:`_before_training_batch`)."""
+        """At the first fetch of a pass over the training dataloader, before its iterator draws from the random
+        generators: after a resume from a checkpoint saved at the end of an epoch (before the next epoch's iterator
+        drew), restore this rank's random state here; one saved within an epoch is restored before the first batch
+        (:meth:`_before_training_batch`). A new pass (fit, epoch) for the watchdog, which learns the number of
+        batches the epoch will have where Lightning knows it (a sized loader, or ``limit_train_batches``)."""
         if self._random_state_at_epoch_end and self._random_state_to_restore is not None:
             random_state.restore(self._random_state_to_restore)
             self._random_state_to_restore = None
+        trainer = self.lightning_module.trainer
+        self._training_pass = (self._fit_index, trainer.current_epoch)
+        self._pass_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # > 0: an epoch resumed
+        if trainer.num_training_batches != float("inf"):
+            watchdog.training_data_ended(self._training_pass, int(trainer.num_training_batches))
+
+    def _training_pass_ended(self, batches: int) -> None:
+        """The training data of this pass ended after ``batches`` batches: every rank's watchdog is told (a rank
+        beyond it waiting for this one is reported at once)."""
+        watchdog.training_data_ended(self._training_pass, self._pass_offset + batches)
 
     def _before_training_batch(self) -> None:
         """Before a training batch is fetched (resumable dataloaders) or used (others), on every rank: the first
@@ -432,6 +473,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def on_train_end(self) -> None:
         self._release_stop_signals()
+        failures.set_training(False)
 
     def on_validation_start(self) -> None:
         self._attach_metric_sync()

@@ -16,15 +16,20 @@ so that all of it happens before the batch's data is read.
 Exact for a map-style dataset read through Lightning's ``DistributedSampler`` on the same number of ranks. On a
 different number of ranks the order of the epoch is another one: the rest of the interrupted epoch cannot be
 recovered, so the loader warns and starts that epoch's order from its beginning (what Lightning does with any
-loader it cannot resume). Loaders it cannot make resumable (iterable datasets, custom samplers or batch samplers)
-are left alone.
+loader it cannot resume). A loader it cannot make resumable (an iterable dataset, a custom sampler or batch
+sampler) becomes a :class:`CountedLoader`: its batches pass unchanged, and the same hook runs when a pass starts.
+
+Both tell the strategy how many batches a pass had once its data ended, which the stall watchdog compares with
+the other ranks' position (:mod:`mpistrategy.comm.watchdog`: uneven data). Both forward the loader's attributes,
+in both directions: what Lightning sets on the loader it was given (``worker_init_fn`` under
+``seed_everything(workers=True)``) reaches the DataLoader.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
@@ -50,7 +55,57 @@ class _SkippingSampler(Sampler[int]):
         return len(self.sampler)
 
 
-class ResumableLoader:
+class _LoaderView:
+    """A training loader seen through a wrapper: its public attributes are the loader's (read and written), the
+    wrapper's own start with ``_``."""
+
+    loader: Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "loader" or name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+class CountedLoader(_LoaderView):
+    """A training loader whose order cannot be resumed: its batches unchanged, and where each pass starts and ends.
+
+    Args:
+        loader: any iterable of batches.
+        before_pass: called at the first fetch of a pass, before the loader's iterator is made.
+        pass_ended: called with the number of batches of a pass once its data ended.
+    """
+
+    def __init__(
+        self, loader: object, before_pass: Callable[[], None], pass_ended: Callable[[int], None] | None = None
+    ) -> None:
+        self.loader = loader
+        self._before_pass = before_pass
+        self._pass_ended = pass_ended
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._batches_of()
+
+    def _batches_of(self) -> Iterator[Any]:
+        self._before_pass()
+        batches = 0
+        for batch in cast(Iterable[Any], self.loader):
+            batches += 1
+            yield batch
+        if self._pass_ended is not None:
+            self._pass_ended(batches)
+
+
+class ResumableLoader(_LoaderView):
     """``loader`` (its attributes are forwarded) plus its position in the current epoch.
 
     Args:
@@ -58,10 +113,15 @@ class ResumableLoader:
             ``DistributedSampler`` (see :func:`make_resumable`).
         before_batch: called before each batch is fetched.
         before_pass: called at the first fetch of a pass, before the loader's iterator is made.
+        pass_ended: called with the number of batches a pass fetched once its data ended.
     """
 
     def __init__(
-        self, loader: DataLoader, before_batch: Callable[[], None], before_pass: Callable[[], None] | None = None
+        self,
+        loader: DataLoader,
+        before_batch: Callable[[], None],
+        before_pass: Callable[[], None] | None = None,
+        pass_ended: Callable[[int], None] | None = None,
     ) -> None:
         self.loader = loader
         batch_sampler = loader.batch_sampler
@@ -72,22 +132,15 @@ class ResumableLoader:
         self._batch_size: int = batch_sampler.batch_size
         self._before_batch = before_batch
         self._before_pass = before_pass
+        self._pass_ended = pass_ended
         self._batches = 0
         self._resume_at: dict[str, int] | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
     def __iter__(self) -> Iterator[Any]:
         self._batches = self._skip_for_resume()
-        return self._batches_of()
+        return self._batches_of(self._batches)
 
-    def _batches_of(self) -> Iterator[Any]:
+    def _batches_of(self, skipped: int) -> Iterator[Any]:
         """The pass's batches. The DataLoader's iterator is made at the first fetch (a pass Lightning makes but
         never reads, such as that of an epoch restarted at its end, draws nothing from the random generators)."""
         if self._before_pass is not None:
@@ -98,9 +151,14 @@ class ResumableLoader:
             try:
                 batch = next(iterator)
             except StopIteration:
+                if self._pass_ended is not None:
+                    self._pass_ended(self._batches - skipped)
                 return
             self._batches += 1
             yield batch
+
+    #: the keys of :meth:`state_dict`
+    STATE_KEYS = ("epoch", "batches", "num_batches", "num_replicas")
 
     def state_dict(self) -> dict[str, int]:
         """The position: ``batches`` of ``num_batches`` done in ``epoch``, by ``num_replicas`` ranks."""
@@ -148,13 +206,15 @@ def _warn_cannot_continue(state: dict[str, int], replicas: int, batches: int) ->
 
 
 def make_resumable(
-    loader: object, before_batch: Callable[[], None], before_pass: Callable[[], None] | None = None
+    loader: object,
+    before_batch: Callable[[], None],
+    before_pass: Callable[[], None] | None = None,
+    pass_ended: Callable[[int], None] | None = None,
 ) -> ResumableLoader | None:
     """``loader`` as a :class:`ResumableLoader`, or ``None`` when its order is not a pure function of the epoch
     (not a DataLoader, an iterable dataset, a batch sampler other than ``BatchSampler``, a sampler other than
     ``DistributedSampler``)."""
-    if isinstance(loader, ResumableLoader):
-        loader = loader.loader
+    loader = unwrapped(loader)
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return None
     batch_sampler = loader.batch_sampler
@@ -164,4 +224,9 @@ def make_resumable(
     inner = sampler.sampler if isinstance(sampler, _SkippingSampler) else sampler
     if type(inner) is not DistributedSampler:
         return None
-    return ResumableLoader(loader, before_batch, before_pass)
+    return ResumableLoader(loader, before_batch, before_pass, pass_ended)
+
+
+def unwrapped(loader: object) -> object:
+    """The loader a training loader wrapper of this module holds, else ``loader`` itself."""
+    return loader.loader if isinstance(loader, _LoaderView) else loader

@@ -23,7 +23,7 @@ from mpistrategy.aggregation import GradBucket, MeanAggregator
 from mpistrategy.strategy import checkpoint_files, checkpoints
 from mpistrategy.strategy.checkpoint_files import SEAL_PREFIX, CorruptCheckpointError
 from mpistrategy.strategy.mpi_ad import CHECKPOINT_KEY, MPIADStrategy
-from mpistrategy.strategy.resumable import make_resumable
+from mpistrategy.strategy.resumable import CountedLoader, make_resumable, unwrapped
 from tests.strategy.helpers import (
     COMM,
     RANK,
@@ -142,6 +142,11 @@ EPOCH_ENDS = {
         BATCHES_PER_EPOCH,
     ),
     "by ModelCheckpoint with limit_train_batches": ({"limit_train_batches": 0.5}, BATCHES_PER_EPOCH // 2),
+    # every rank reads all the data in an order of its own (a RandomSampler drawing from torch's generator)
+    "by ModelCheckpoint, a loader that cannot be resumed": (
+        {"use_distributed_sampler": False},
+        BATCHES_PER_EPOCH * SIZE,
+    ),
     "after fit": ({}, BATCHES_PER_EPOCH),
 }
 
@@ -222,6 +227,29 @@ def test_only_loaders_with_a_distributed_order_become_resumable() -> None:
     unbatched = DataLoader(dataset, batch_size=None, sampler=DistributedSampler(dataset, 2, 0))
     assert make_resumable(unbatched, lambda: None) is None
     assert make_resumable(_sharded_loader(2, 0), lambda: None) is not None
+
+
+def test_training_loader_wrappers_count_each_pass_and_forward_attribute_writes() -> None:
+    """Both wrappers report a pass's number of batches once its data ended (a resumed pass: the batches it read),
+    and an attribute Lightning sets on the wrapper (``worker_init_fn`` under ``seed_everything(workers=True)``)
+    reaches the DataLoader that starts the workers."""
+    ends: list[int] = []
+    resumable = make_resumable(_sharded_loader(2, 1), lambda: None, lambda: None, ends.append)
+    assert resumable is not None
+    state = resumable.state_dict() | {"batches": 3}
+    assert len(list(resumable)) == 7
+    resumable.load_state_dict(state)
+    assert len(list(resumable)) == 4
+    stream = CountedLoader(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), lambda: None, ends.append)
+    assert [len(batch[0]) for batch in stream] == [4, 4, 2]
+    assert ends == [7, 4, 3]
+
+    def seeding(worker: int) -> None:
+        return None
+
+    for wrapper in (resumable, stream):
+        wrapper.worker_init_fn = seeding
+        assert unwrapped(wrapper).worker_init_fn is seeding and wrapper.worker_init_fn is seeding
 
 
 # --- corrupt checkpoints ----------------------------------------------------------------------------------------------

@@ -56,15 +56,41 @@ def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Pa
     assert output.count("raised an exception; aborting all ranks") >= 1
 
 
+def _uneven_report(output: str, rank: int) -> str:
+    found = re.search(rf"uneven training data \(found on rank \d, reported on rank {rank}\)", output)
+    assert found, output[-4000:]
+    return output[found.start() :]
+
+
 def test_trainer_rank_with_a_batch_more_is_reported_by_the_watchdog(tmp_path: Path) -> None:
+    """Rank 0 has a fifth batch: as soon as a rank learns that rank 0 has started it (or that its data had five
+    batches) and another's had four, every rank reports the uneven data, without waiting for the stall timeout."""
     code, output = _run("trainer", "extra_step", "hierarchical", 3, tmp_path)
     assert code == STALL_EXIT_CODE, output[-4000:]
     for rank in range(3):
-        report = output[output.index(f"stall (reported on rank {rank})") :]
-        assert re.search(r"rank 0 \(.*\): waiting \d+\.\d s in gradient sync\(training batch=4\)", report), report
+        report = _uneven_report(output, rank)
+        assert "training data of epoch 0 has different numbers of batches" in report, report
+        assert re.search(r"rank 0: (started batch 5|5 batches)", report), report
+        assert re.search(r"rank [12]: 4 batches", report), report
+        assert "use_distributed_sampler=True" in report and "limit_train_batches" in report, report
         assert f"rank {rank} ends with exit code {STALL_EXIT_CODE}" in report
-    assert _line_of("manual backward") in output
     assert sorted(path.name for path in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json", "rank2.json"]
+
+
+def test_an_uneven_iterable_dataset_is_reported_long_before_the_stall_timeout(tmp_path: Path) -> None:
+    """The last rank's stream has six batches, the others' four; with the stall timeout at its default (300 s),
+    every rank reports both counts and the job ends within seconds, before the first epoch's extra batches could
+    be paired with the next epoch's collectives of the other ranks."""
+    code, output, ended = run_mpi_job(
+        SCRIPT, 2, "trainer", "uneven_stream", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - began < 60, f"ended {ended - began:.1f} s after the first epoch began"
+    for rank in range(2):
+        report = _uneven_report(output, rank)
+        assert re.search(r"\(rank 0: 4 batches; rank 1: (6 batches|started batch [56])\)", report), report
+    assert "FINISHED" not in output
 
 
 @pytest.mark.parametrize(("framework", "sync", "ranks"), [("trainer", "daso", 2), ("fabric", "local_sgd", 3)])

@@ -57,6 +57,14 @@ def test_rank_calling_os_exit_ends_all_ranks_and_says_which_rank_and_code() -> N
     assert "in training_step" in output  # where it was called from
 
 
+def test_rank_calling_os_exit_0_while_training_ends_the_job_with_a_failing_code() -> None:
+    """The job did not finish: a batch script must not read it as done."""
+    code, output, ended = _run("os_exit_0", tempfile.mkdtemp())
+    assert code != 0, output[-4000:]
+    assert ended - _failed_at(output) < LIMIT
+    assert "exited with code 1 through os._exit before the job finished (code 0 while training" in output
+
+
 def test_rank_killed_mid_epoch_ends_all_ranks() -> None:
     code, output, ended = _run("kill", tempfile.mkdtemp())
     assert code != 0

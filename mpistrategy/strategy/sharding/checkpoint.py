@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from mpistrategy.strategy import failures
 from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError, verify, write_atomically
+from mpistrategy.strategy.resumable import ResumableLoader
 from mpistrategy.strategy.sharding import files
 from mpistrategy.strategy.sharding.group import ShardGroup
 from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
@@ -231,8 +232,9 @@ def consolidate(path: str, out: str | None = None) -> dict[str, Any]:
     ``state_dict()`` (one process, no MPI; a damaged file raises :class:`CorruptCheckpointError`): loadable by any
     strategy, or for inference. Written to ``out`` (atomically, sealed) when given. Trainer checkpoints keep their
     ``optimizer_states`` list; in Fabric checkpoints every top-level entry that is a manifest is consolidated.
-    ``out`` must be another file than ``path`` (``ValueError``: writing over the sharded checkpoint would orphan its
-    shard files); a missing ``path`` raises ``FileNotFoundError``."""
+    The training loader's position in its epoch is left out (a plain Trainer restarts that epoch's data, as it
+    does with any loader it cannot resume). ``out`` must be another file than ``path`` (``ValueError``: writing
+    over the sharded checkpoint would orphan its shard files); a missing ``path`` raises ``FileNotFoundError``."""
     verify(path)
     if out is not None and _same_file(path, out):
         raise ValueError(
@@ -246,9 +248,23 @@ def consolidate(path: str, out: str | None = None) -> dict[str, Any]:
         checkpoint["optimizer_states"] = [_plain(entry, reader) for entry in entries]
     for key, value in list(checkpoint.items()):
         checkpoint[key] = _plain(value, reader)
+    _drop_loader_positions(checkpoint)
     if out is not None:
         write_atomically(out, lambda temporary: torch.save(checkpoint, temporary))
     return checkpoint
+
+
+def _drop_loader_positions(checkpoint: dict[str, Any]) -> None:
+    """Leave out the training loader's position in its epoch (saved by mpi_ad's resumable loader): a plain Trainer's
+    DataLoader has no state to take it, and Lightning refuses a checkpoint with more loader states than loaders."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    states = fit_loop.get("combined_loader")
+    if isinstance(states, list) and states and all(_is_loader_position(state) for state in states):
+        fit_loop["combined_loader"] = []
+
+
+def _is_loader_position(state: object) -> bool:
+    return isinstance(state, dict) and set(state) == set(ResumableLoader.STATE_KEYS)
 
 
 def _same_file(path: str, other: str) -> bool:

@@ -1,4 +1,4 @@
-"""The user's optimizer, made to step only this rank's shard: any torch optimizer, per-group hyperparameters kept.
+"""The user's optimizer, made to step only this rank's shard: any elementwise torch optimizer, groups kept.
 
 :class:`ShardedOptimizer` splits the optimizer's parameters into spaces (one per dtype and device), puts each space
 into a flat buffer (:class:`~mpistrategy.strategy.sharding.flat.FlatParameters`) and replaces, in place, each
@@ -125,6 +125,18 @@ class ShardedOptimizer:
         torch.nn.utils.clip_grads_with_norm_(self.pieces, max_norm, total)
         return total
 
+    def groups_problem(self) -> ValueError | None:
+        """The error to raise if parameter groups were added since the optimizer was sharded, else ``None``."""
+        if len(self.optimizer.param_groups) == len(self._group_sizes):
+            return None
+        return ValueError(
+            f"shard=: {type(self.optimizer).__name__} has {len(self.optimizer.param_groups)} parameter groups, "
+            f"{len(self._group_sizes)} when it was sharded: optimizer.add_param_group during training (as "
+            "Lightning's BaseFinetuning callbacks do when they unfreeze) is not supported with sharded state. "
+            "Give configure_optimizers every group from the start (frozen parameters included: they are "
+            "skipped until they get gradients), or use shard=None."
+        )
+
     def agree_on_nonfinite(self) -> None:
         """If some rank's pieces hold an infinite or NaN gradient, put a NaN into this rank's too (collective over
         the shard group), so that an overflow check (a ``GradScaler``'s) skips the step on every rank alike."""
@@ -194,6 +206,55 @@ class ShardedOptimizer:
             plain["param_groups"],
             lambda index, start, stop: state_rules.piece_of(state.get(index, {}), self.shapes[index], start, stop),
         )
+
+
+#: torch optimizers whose step is not elementwise: what each does that a shard of the elements cannot
+_NOT_ELEMENTWISE = {
+    "LBFGS": "its step reads the whole gradient and keeps its own list of the parameters",
+    "Adafactor": "it factors the second moment of a matrix into row and column statistics",
+    "Muon": "it orthogonalises each weight matrix's update as a whole",
+    "SparseAdam": "it needs sparse gradients of whole embedding tables",
+}
+
+
+def check_shardable(optimizer: torch.optim.Optimizer, model_params: Sequence[nn.Parameter] | None) -> None:
+    """Raise unless ``optimizer`` can step a shard of the elements: its update must be elementwise (the same on
+    a piece of a parameter as on the whole), it must not keep a list of its parameters beside its groups (it would
+    go on stepping the whole parameters), and, where given, every parameter must be one of ``model_params`` (the
+    gradient reducer averages only the model's gradients)."""
+    name = type(optimizer).__name__
+    reason = next((why for base, why in _NOT_ELEMENTWISE.items() if _is_torch_optimizer(optimizer, base)), None)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    mine = {id(p) for p in params}
+    if reason is None:
+        cached = [key for key, value in vars(optimizer).items() if _holds_any(value, mine)]
+        if cached:
+            reason = f"it keeps its parameters in optimizer.{cached[0]} beside its parameter groups"
+    if reason is not None:
+        raise ValueError(
+            f"shard=: {name} cannot step a shard of the parameters: {reason}. Use an optimizer whose update is "
+            "elementwise (SGD, Adam, AdamW, RMSprop, Adagrad, ...), or shard=None."
+        )
+    if model_params is not None:
+        known = {id(p) for p in model_params}
+        foreign = [p for p in params if id(p) not in known]
+        if foreign:
+            raise ValueError(
+                f"shard='optimizer': {name} steps {len(foreign)} tensor(s) that are not parameters of the model (the "
+                f"first of shape {tuple(foreign[0].shape)}), whose gradients the ranks would not average. Register "
+                "them on the module as nn.Parameter, or use shard='gradients' (it averages every gradient the "
+                "optimizer steps)."
+            )
+
+
+def _is_torch_optimizer(optimizer: torch.optim.Optimizer, name: str) -> bool:
+    base = getattr(torch.optim, name, None)
+    return isinstance(base, type) and isinstance(optimizer, base)
+
+
+def _holds_any(value: object, params: set[int]) -> bool:
+    """Whether ``value`` is a list or tuple holding one of the tensors whose ids are ``params``."""
+    return isinstance(value, (list, tuple)) and any(id(item) in params for item in value)
 
 
 def _spaces(params: Sequence[nn.Parameter], launch_order: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:

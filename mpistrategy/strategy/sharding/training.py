@@ -24,10 +24,11 @@ from torch import nn
 
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import INTER_NODE, TrafficCounter, scope_of
+from mpistrategy.strategy.failures import raise_together
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.sharding.gradients import GradientShards
 from mpistrategy.strategy.sharding.group import ShardGroup, shard_group
-from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer, check_shardable
 
 
 class ModelParameters:
@@ -76,6 +77,12 @@ class ShardedTraining:
             self.gradients = GradientShards(self.group, bucket_cap_mb, self.traffic, self.scope == INTER_NODE)
         self._launch_order = list(reversed(list(module.parameters())))
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise unless ``optimizer`` can be sharded (see :func:`~mpistrategy.strategy.sharding.optimizer.
+        check_shardable`; under ``shard="optimizer"`` it steps the model's parameters only)."""
+        if self.sharded(optimizer) is None:
+            check_shardable(optimizer, self._launch_order if self.gradients is None else None)
+
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """Shard ``optimizer`` (collective over the shard group; once per optimizer)."""
         found = self.sharded(optimizer)
@@ -107,6 +114,9 @@ class ShardedTraining:
     def after_backward(self) -> None:
         """After a synchronised backward pass: the pieces' gradients (see the module docstring)."""
         for sharded in self.optimizers:
+            problem = sharded.groups_problem()
+            if problem is not None:  # every rank that added the group raises it together
+                raise_together(problem, self.topology.control, "stepping the sharded optimizer", ValueError)
             if self.gradients is None:
                 sharded.use_parameter_gradients()
             if self.agree_on_overflow:

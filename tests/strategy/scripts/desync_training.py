@@ -1,8 +1,9 @@
 """Training in which the last rank goes astray (see tests/strategy/test_diagnosis.py).
 
 argv: framework ("trainer" or "fabric"), case, sync mode. Cases: "skip_backward" (the last rank skips backward and
-the optimizer step of batch 1), "extra_step" (rank 0 has one batch more), "loader_hang" (the last rank's data loader
-blocks in a C call at batch 2). ``HANG <time>`` marks when the case begins.
+the optimizer step of batch 1), "extra_step" (rank 0 has one batch more), "uneven_stream" (an IterableDataset that
+gives the last rank two batches more per epoch, two epochs), "loader_hang" (the last rank's data loader blocks in a C
+call at batch 2). ``HANG <time>`` marks when the case begins.
 """
 
 import sys
@@ -12,7 +13,7 @@ import lightning.pytorch as L
 import torch
 from mpi4py import MPI
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import mpistrategy  # noqa: F401  (registers "mpi_ad")
 from mpistrategy.strategy.fabric_mpi_ad import MPIADFabricStrategy
@@ -51,6 +52,15 @@ class Batches(Dataset):
         return torch.full((3,), float(index))
 
 
+class Stream(IterableDataset):
+    """Four batches per epoch, six on the last rank (a stream sharded unevenly by hand)."""
+
+    def __iter__(self):
+        say(f"HANG {time.time()}")
+        for index in range(4 + 2 * (RANK == LATE)):
+            yield torch.full((3,), float(index))
+
+
 class Model(L.LightningModule):
     """Manual optimization: the last rank can skip a backward pass (the Trainer refuses a ``None`` loss)."""
 
@@ -74,6 +84,8 @@ class Model(L.LightningModule):
 
 
 def loader() -> DataLoader:
+    if case == "uneven_stream":
+        return DataLoader(Stream(), batch_size=None)
     return DataLoader(Batches(), batch_size=None, shuffle=False)
 
 
@@ -82,7 +94,7 @@ if framework == "trainer":
     trainer = L.Trainer(
         strategy=MPIADStrategy(**options),
         accelerator="cpu",
-        max_epochs=1,
+        max_epochs=2 if case == "uneven_stream" else 1,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

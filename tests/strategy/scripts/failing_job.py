@@ -3,6 +3,7 @@
 Usage: mpiexec -n 3 python failing_job.py MODE DIRECTORY
 
 MODE: raise (rank 1 raises in training_step), kill (rank 1 SIGKILLs itself), os_exit (rank 1 calls os._exit(3)),
+os_exit_0 (rank 1 calls os._exit(0)),
 raise_outside (rank 1 raises after fit while the others wait in a barrier), usr1 (rank 1 sends itself SIGUSR1),
 pids (every rank writes its pid to DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue
 from the stop checkpoint), corrupt (resume from DIRECTORY/hpc_ckpt_1.ckpt after rank 0 cut it short).
@@ -45,9 +46,9 @@ class Job(L.LightningModule):
             if MODE == "kill":
                 mark("FAILING")
                 os.kill(os.getpid(), signal.SIGKILL)
-            if MODE == "os_exit":
+            if MODE in ("os_exit", "os_exit_0"):
                 mark("FAILING")
-                os._exit(3)
+                os._exit(3 if MODE == "os_exit" else 0)
             if MODE == "usr1":
                 mark("SIGNALLING")
                 os.kill(os.getpid(), signal.SIGUSR1)

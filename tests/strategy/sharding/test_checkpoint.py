@@ -10,6 +10,7 @@ import signal
 import tempfile
 from pathlib import Path
 
+import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -96,6 +97,20 @@ def test_resume_on_another_number_of_ranks_has_the_consolidated_state(saved_at: 
     assert KEY not in plain and len(plain["state"]) == len(in_order) - 4  # no state: unused and frozen layers
     for index, values in plain["state"].items():
         assert values["exp_avg"].shape == values["exp_avg_sq"].shape == in_order[index].shape
+    assert consolidated["loops"]["fit_loop"]["state_dict"]["combined_loader"] == []  # the loader's position
+    plain_path = os.path.join(directory, "plain.ckpt")
+    consolidate(os.path.join(directory, "saved.ckpt"), plain_path)
+    single = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=consolidated["global_step"] + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    single.fit(DeepNet(), loader(data(3, 1), BATCH), ckpt_path=plain_path)  # a plain Trainer takes it and trains on
+    assert single.global_step == consolidated["global_step"] + 1
     _job("load", "optimizer", loaded_at, directory)
     loaded = torch.load(os.path.join(directory, "loaded-optimizer.pt"), weights_only=False)
     _assert_same_state(loaded["restored"], plain)

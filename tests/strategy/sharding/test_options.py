@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from mpistrategy.aggregation import TopK
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
@@ -73,3 +74,61 @@ def test_an_unknown_mode_on_one_rank_only_ends_the_job() -> None:
     assert code != 0, output[-3000:]
     assert "shard='bogus' is not a shard mode" in output and "[mpistrategy] rank 1 of 3" in output, output[-3000:]
     assert ended - start < 280
+
+
+class _Optimized(Regressor):
+    """A regressor whose optimizer is ``kind``: one that cannot step a shard, or AdamW over a tensor the model does
+    not hold, or AdamW that gains a parameter group at the second step."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(mlp())
+        self.kind = kind
+        self.extra = torch.zeros(2, requires_grad=True)  # not an nn.Parameter: not the model's
+
+    def training_step(self, batch, batch_idx):
+        if self.kind == "add_param_group" and batch_idx == 1:
+            self.optimizers().optimizer.add_param_group({"params": [self.extra], "lr": 0.01})
+        return super().training_step(batch, batch_idx) + self.extra.square().sum()
+
+    def configure_optimizers(self):
+        if self.kind == "lbfgs":
+            return torch.optim.LBFGS(self.parameters())
+        if self.kind == "adafactor":
+            return torch.optim.Adafactor(self.parameters())
+        if self.kind == "foreign":
+            return torch.optim.AdamW([*self.parameters(), self.extra])
+        return torch.optim.AdamW(self.parameters())
+
+
+@pytest.mark.mpi(ranks=(3,), timeout=180)
+@pytest.mark.parametrize(
+    ("shard", "kind", "message"),
+    [
+        ("gradients", "lbfgs", r"LBFGS cannot step a shard of the parameters: its step reads the whole gradient"),
+        ("optimizer", "adafactor", r"Adafactor cannot step a shard.*factors the second moment.*or shard=None"),
+        ("optimizer", "foreign", r"steps 1 tensor\(s\) that are not parameters of the model.*nn.Parameter"),
+        ("gradients", "add_param_group", r"AdamW has 2 parameter groups, 1 when it was sharded.*add_param_group"),
+        ("optimizer", "add_param_group", r"AdamW has 2 parameter groups, 1 when it was sharded.*add_param_group"),
+    ],
+)
+def test_an_optimizer_that_cannot_step_a_shard_is_refused_on_every_rank(shard: str, kind: str, message: str) -> None:
+    """Each of these trained wrongly without a word (LBFGS never moved under stage 2, Adafactor's and a foreign
+    tensor's updates differed from flat mpi_ad's, a group added while training was not averaged under stage 2)."""
+    with pytest.raises(ValueError, match=message):
+        trainer(strategy=MPIADStrategy(shard=shard), max_steps=3).fit(
+            _Optimized(kind), loader(regression_data(SIZE * 8), 4)
+        )
+    _still_in_step()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_finetuning_callback_is_refused_at_setup_on_every_rank() -> None:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    model = Regressor(mlp())
+    model.backbone = model.net  # what BackboneFinetuning freezes, then unfreezes into a new parameter group
+    with pytest.raises(ValueError, match=r"the callback BackboneFinetuning adds parameter groups"):
+        trainer(strategy=MPIADStrategy(shard="optimizer"), max_steps=2, callbacks=[BackboneFinetuning()]).fit(
+            model, loader(regression_data(SIZE * 8), 4)
+        )
+    _still_in_step()
