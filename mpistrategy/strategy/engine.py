@@ -122,9 +122,14 @@ class DataParallelEngine:
 
     def _options_problem(self) -> SyncConfigurationError | None:
         """What stops this rank's options (before anything is set up, so that no rank waits in a collective of
-        another mode): ranks given different sync modes, sync options or shard options, or a shard option the
-        configuration cannot run."""
-        mine = {"sync mode": f"{self.sync.name} {self.sync.options()}", "shard": repr(self.shard)}
+        another mode): ranks given different sync modes, sync options, shard options or optimizers (type, groups and
+        hyperparameters: replicas stepped differently drift apart), or a shard option the configuration cannot
+        run."""
+        mine = {
+            "sync mode": f"{self.sync.name} {self.sync.options()}",
+            "shard": repr(self.shard),
+            "optimizer": "; ".join(_described(optimizer) for optimizer in self.optimizers),
+        }
         control = self.topology.control
         everyone = control.allgather(mine) if control.Get_size() > 1 else [mine]
         for what in mine:
@@ -333,3 +338,13 @@ class DataParallelEngine:
         if self.sharding is not None:
             self.sharding.remove()
             self.sharding = None
+
+
+def _described(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's type, and each parameter group's size and hyperparameters (what every rank must share)."""
+    groups = [
+        f"{len(group['params'])} params, "
+        + ", ".join(f"{key}={value!r}" for key, value in sorted(group.items()) if key != "params")
+        for group in optimizer.param_groups
+    ]
+    return f"{type(optimizer).__name__}({' | '.join(groups)})"

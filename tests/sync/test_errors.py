@@ -68,6 +68,20 @@ def test_ranks_given_different_sync_options_fail_together_before_any_setup() -> 
     assert topology().control.allreduce(RANK) == SIZE * (SIZE - 1) // 2
 
 
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_ranks_given_different_optimizers_fail_together_naming_each_ranks_hyperparameters() -> None:
+    """The last rank's SGD has another learning rate, then momentum: replicas stepped differently would drift apart
+    without a word, so every rank raises at setup with each rank's optimizer."""
+    last = RANK == SIZE - 1
+    with pytest.raises(SyncConfigurationError, match="different optimizer options") as raised:
+        trainer(max_steps=2).fit(Regressor(mlp(), lr=0.5 if last else 0.1), loader(regression_data(SIZE * 8), 4))
+    assert "rank 0: SGD(6 params, " in str(raised.value) and "lr=0.1," in str(raised.value)
+    assert f"rank {SIZE - 1}: SGD(6 params, " in str(raised.value) and "lr=0.5," in str(raised.value)
+    with pytest.raises(SyncConfigurationError, match=f"rank {SIZE - 1}: SGD.*momentum=0.9"):
+        trainer(max_steps=2).fit(Regressor(mlp(), momentum=0.9 if last else 0.0), loader(regression_data(SIZE * 8), 4))
+    assert topology().control.allreduce(RANK) == SIZE * (SIZE - 1) // 2
+
+
 class _TwoOptimizers(Regressor):
     def configure_optimizers(self):
         return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
