@@ -476,7 +476,11 @@ class MPIADStrategyMixin(MPIStrategyBase):
         failures.set_training(False)
 
     def on_validation_start(self) -> None:
+        """Validation in ``fit`` (the sanity check first) already turns stop signals into a coordinated stop, decided
+        at the first training batch: a preemption there is not a failure of one rank."""
         self._attach_metric_sync()
+        if self._fitting():
+            self._install_stop_signals()
 
     def on_test_start(self) -> None:
         self._attach_metric_sync()

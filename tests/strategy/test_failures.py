@@ -65,6 +65,18 @@ def test_rank_calling_os_exit_0_while_training_ends_the_job_with_a_failing_code(
     assert "exited with code 1 through os._exit before the job finished (code 0 while training" in output
 
 
+def test_sigterm_in_the_sanity_check_stops_all_at_the_first_steps_with_a_checkpoint() -> None:
+    """A preemption during the sanity check (which every resumed run goes through) is a coordinated stop, not a
+    failure: every rank stops at the same step, after a checkpoint, with the stop's exit code."""
+    directory = tempfile.mkdtemp()
+    code, output, _ = _run("sigterm_sanity", directory)
+    assert code == STOPPED_EXIT_CODE, output[-4000:]
+    assert "SIGNALLING rank=1" in output and "raised an exception" not in output, output[-4000:]
+    steps = _stopped_steps(output)
+    assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1 and steps[0] <= 2, output[-4000:]
+    assert torch.load(Path(directory) / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == steps[0]
+
+
 def test_rank_killed_mid_epoch_ends_all_ranks() -> None:
     code, output, ended = _run("kill", tempfile.mkdtemp())
     assert code != 0

@@ -3,7 +3,7 @@
 Usage: mpiexec -n 3 python failing_job.py MODE DIRECTORY
 
 MODE: raise (rank 1 raises in training_step), kill (rank 1 SIGKILLs itself), os_exit (rank 1 calls os._exit(3)),
-os_exit_0 (rank 1 calls os._exit(0)),
+os_exit_0 (rank 1 calls os._exit(0)), sigterm_sanity (rank 1 sends itself SIGTERM in the sanity check's validation),
 raise_outside (rank 1 raises after fit while the others wait in a barrier), usr1 (rank 1 sends itself SIGUSR1),
 pids (every rank writes its pid to DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue
 from the stop checkpoint), corrupt (resume from DIRECTORY/hpc_ckpt_1.ckpt after rank 0 cut it short).
@@ -59,6 +59,12 @@ class Job(L.LightningModule):
             time.sleep(0.02)
         return self.net(batch[0]).pow(2).mean()
 
+    def validation_step(self, batch, batch_idx):
+        if MODE == "sigterm_sanity" and RANK == 1 and self.trainer.sanity_checking and batch_idx == 0:
+            mark("SIGNALLING")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.net(batch[0]).pow(2).mean()
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -81,7 +87,9 @@ trainer = L.Trainer(
     default_root_dir=DIRECTORY,
 )
 try:
-    trainer.fit(Job(), DataLoader(data, batch_size=8), ckpt_path="hpc" if MODE in ("resume", "corrupt") else None)
+    validation = DataLoader(data, batch_size=8) if MODE == "sigterm_sanity" else None
+    resume = "hpc" if MODE in ("resume", "corrupt") else None
+    trainer.fit(Job(), DataLoader(data, batch_size=8), validation, ckpt_path=resume)
 except Exception as error:  # one line per rank (tracebacks of several ranks interleave in the job's output)
     print(f"RAISED rank={RANK} {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
     raise
