@@ -156,6 +156,8 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         for optimizer in optimizers:
             engine.attach_optimizer(optimizer)
             self._route_zero_grad(optimizer)
+        if engine.sharding is not None and self._uses_grad_scaler():
+            engine.sharding.watch_scaler(getattr(self.precision, "scaler", None))
         self._engines.append((module, engine))
         pending = _paired(self._pending_states, module, len(self._engines) - 1)
         if pending is not None:

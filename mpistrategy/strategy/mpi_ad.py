@@ -193,6 +193,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
                     self._engine.attach_optimizer(optimizer, wrapper)
             if self._sharding is not None:
                 self._clip_sharded_by_norm(self._sharding)
+                if self._uses_grad_scaler():
+                    self._sharding.watch_scaler(self.precision_plugin.scaler)
 
     def model_to_device(self) -> None:
         assert self.model is not None

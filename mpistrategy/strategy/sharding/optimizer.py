@@ -57,6 +57,7 @@ class ShardedOptimizer:
         self.spaces = [FlatParameters(space, comm) for space in _spaces(self.params, launch_order)]
         self._refs: dict[int, PieceRef] = {}
         self._group_ranges: list[tuple[int, int]] = []
+        self.overflow_anywhere = False  # whether some rank's gradient was not finite at the last check
         self._shard_groups()
         if existing is not None:
             self.load_plain(existing)
@@ -139,11 +140,22 @@ class ShardedOptimizer:
 
     def agree_on_nonfinite(self) -> None:
         """If some rank's pieces hold an infinite or NaN gradient, put a NaN into this rank's too (collective over
-        the shard group), so that an overflow check (a ``GradScaler``'s) skips the step on every rank alike."""
+        the shard group), so that an overflow check (a ``GradScaler``'s) skips the step on every rank alike; a rank
+        whose pieces hold no gradient keeps the answer for the scaler (:meth:`report_to_scaler`)."""
         grads = self.gradients()
         local = bool(grads) and not all(bool(torch.isfinite(g).all()) for g in grads)
-        if self.comm.allreduce(local, op=MPI.LOR) and grads and not local:
+        self.overflow_anywhere = bool(self.comm.allreduce(local, op=MPI.LOR))
+        if self.overflow_anywhere and grads and not local:
             grads[0].view(-1)[0] = float("nan")
+
+    def report_to_scaler(self, scaler: Any) -> None:
+        """After ``scaler.unscale_`` of this optimizer found no gradient on this rank (its pieces got none, or it
+        has none), record the ranks' agreed overflow as this rank's check: the scaler then steps (or skips) and
+        updates its scale as every other rank's does, instead of refusing to step without a check."""
+        found = scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+        if not found:
+            device = self.spaces[0].flat.device
+            found[device] = torch.full((1,), float(self.overflow_anywhere), device=device)
 
     # ------------------------------------------------------------------------------------------------ step
 

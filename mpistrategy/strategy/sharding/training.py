@@ -122,6 +122,23 @@ class ShardedTraining:
             if self.agree_on_overflow:
                 sharded.agree_on_nonfinite()
 
+    def watch_scaler(self, scaler: Any) -> None:
+        """Make ``scaler`` (a ``GradScaler``) take the ranks' agreed overflow for a sharded optimizer whose pieces
+        hold no gradient on this rank (see :meth:`~mpistrategy.strategy.sharding.optimizer.ShardedOptimizer.
+        report_to_scaler`); idempotent."""
+        if getattr(scaler, "_mpistrategy_watched", False):
+            return
+        unscale = scaler.unscale_
+
+        def unscale_(optimizer: Any) -> None:
+            unscale(optimizer)
+            sharded = self.sharded(optimizer)
+            if sharded is not None:
+                sharded.report_to_scaler(scaler)
+
+        scaler.unscale_ = unscale_
+        scaler._mpistrategy_watched = True
+
     def after_step(self, optimizer: Any = None) -> None:
         """After ``optimizer``'s step (``None``: every optimizer's): allgather its updated shards."""
         for sharded in self.optimizers if optimizer is None else _listed(self.sharded(optimizer)):

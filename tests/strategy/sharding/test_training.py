@@ -7,10 +7,15 @@ ranks. Hierarchical sync runs on virtual nodes of 2 ranks (at 3 ranks: nodes of 
 
 from __future__ import annotations
 
+import lightning.pytorch as L
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import TensorDataset
 
-from tests.strategy.helpers import SIZE, assert_same_on_all_ranks
+from mpistrategy.strategy.mpi_ad import MPIADStrategy
+from tests.strategy.helpers import SIZE, assert_same_on_all_ranks, loader, trainer
 from tests.strategy.sharding.helpers import BUCKET_CAP_MB, DeepNet, fit, parameter_vector
 
 MODES = ("optimizer", "gradients")
@@ -69,3 +74,47 @@ def test_sharded_inside_nodes_under_hierarchical_sync_equals_flat(shard: str) ->
     _assert_same_state(sharded.optimizer_state, flat.optimizer_state)
     assert sharded.shards == 2
     assert sharded.optimizer_state_bytes <= flat.optimizer_state_bytes / 2 * 1.01
+
+
+class _UnusedHead(L.LightningModule):
+    """AdamW over a used layer and an unused head that fills the last rank's whole shard (a rank whose pieces get
+    no gradient), trained with a GradScaler; at step 2 the first rank's gradient overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(8, 2)
+        self.unused_head = nn.Linear(64, 64)
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        if batch_idx == 2 and self.global_rank == 0:
+            loss = loss * float("inf")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=240)
+@pytest.mark.parametrize("shard", MODES)
+def test_a_grad_scaler_with_a_rank_whose_shard_gets_no_gradient_trains_as_flat(shard: str) -> None:
+    """The last rank's pieces (the unused head) never get a gradient: its GradScaler takes the ranks' agreed
+    overflow (the step at which rank 0 overflows is skipped on every rank) and trains as flat mpi_ad, with the same
+    scale on every rank (it refused to step: "No inf checks were recorded")."""
+    results = []
+    for mode in (None, shard):
+        model = _UnusedHead()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        generator = torch.Generator().manual_seed(1)
+        data = TensorDataset(
+            torch.randn(SIZE * 24, 8, generator=generator), torch.randn(SIZE * 24, 2, generator=generator)
+        )
+        trainer(
+            strategy=MPIADStrategy(shard=mode), max_steps=5, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+        ).fit(model, loader(data, 4))
+        results.append((parameter_vector(model), scaler.get_scale()))
+    (flat, flat_scale), (sharded, sharded_scale) = results
+    torch.testing.assert_close(sharded, flat, rtol=0, atol=1e-6)
+    assert sharded_scale == flat_scale == 2.0**9  # halved once, at the skipped step
+    assert_same_on_all_ranks(torch.tensor([sharded_scale]), "the scale")
