@@ -135,10 +135,11 @@ class Watchdog:
         self._pid = os.getpid()
         self._ended: float | None = None  # when this rank's script ended (time.time())
         self._sends_lock = threading.Lock()
-        # per training pass (fit, epoch): this rank's batches started and, once its data ended, their number
+        # per training pass (fit, epoch): this rank's batches started, and its counts (see data_ended); the counts
+        # the other ranks told, by rank
         self._started: dict[tuple[int, int], int] = {}
-        self._own_ends: dict[tuple[int, int], int] = {}
-        self._data_ends: dict[tuple[int, int], dict[int, int]] = {}  # the same, told by the other ranks
+        self._own_counts: dict[tuple[int, int], dict[str, int]] = {}
+        self._counts: dict[tuple[int, int], dict[int, dict[str, int]]] = {}
         self._uneven_reported = False
         self._thread = threading.Thread(target=self._run, name="mpistrategy-watchdog", daemon=True)
         self._thread.start()
@@ -188,13 +189,15 @@ class Watchdog:
         self._started[training_pass] = max(batch, self._started.get(training_pass, 0))
         _keep_recent(self._started)
 
-    def data_ended(self, training_pass: tuple[int, int], batches: int) -> None:
-        """Tell every other rank that this rank's training data of ``training_pass`` ended after ``batches``."""
-        self._own_ends[training_pass] = batches
-        _keep_recent(self._own_ends)
+    def data_ended(self, training_pass: tuple[int, int], batches: int, kind: str) -> None:
+        """Tell every other rank the number of batches of this rank's ``training_pass``: ``kind`` ``"planned"`` (the
+        most the loop will run: the loader's length or ``limit_train_batches``) or ``"ended"`` (where its data
+        ended)."""
+        self._own_counts.setdefault(training_pass, {})[kind] = batches
+        _keep_recent(self._own_counts)
         if _timeout <= 0:
             return
-        message = pickle.dumps((self.rank, training_pass, batches))
+        message = pickle.dumps((self.rank, training_pass, batches, kind))
         with self._sends_lock:
             self._sends = [request for request in self._sends if not request.Test()]
         for other in range(self.size):
@@ -239,23 +242,30 @@ class Watchdog:
         return self._since
 
     def _uneven_data(self) -> dict[str, Any] | None:
-        """The alarm of a rank whose number of batches in a training pass differs from a peer's (sent to every
-        rank), else ``None``; once."""
+        """The alarm of a rank whose batches in a training pass cannot match a peer's (sent to every rank), else
+        ``None``; once. Counts of one kind are compared (a planned count is only the most the loop runs: a stream
+        capped by ``limit_train_batches`` may end before it), and no rank may start a batch beyond a peer's count."""
         status = MPI.Status()
         while self.comm.Iprobe(MPI.ANY_SOURCE, _DATA_END, status):
             message = bytearray(status.Get_count(MPI.BYTE))
             self.comm.Recv([message, MPI.BYTE], status.Get_source(), _DATA_END)
-            rank, training_pass, batches = pickle.loads(message)
-            self._data_ends.setdefault(training_pass, {})[rank] = batches
-            _keep_recent(self._data_ends)
+            rank, training_pass, batches, kind = pickle.loads(message)
+            self._counts.setdefault(training_pass, {}).setdefault(rank, {})[kind] = batches
+            _keep_recent(self._counts)
         if self._uneven_reported:
             return None
-        for training_pass, ends in list(self._data_ends.items()):
-            started, own = self._started.get(training_pass, 0), self._own_ends.get(training_pass)
-            if any(count < started or (own is not None and count != own) for count in ends.values()):
+        for training_pass, peers in list(self._counts.items()):
+            started, own = self._started.get(training_pass, 0), self._own_counts.get(training_pass, {})
+            differing = {
+                rank: counts
+                for rank, counts in peers.items()
+                if started > min(counts.values())
+                or any(kind in own and own[kind] != count for kind, count in counts.items())
+            }
+            if differing:
                 self._uneven_reported = True
-                counts = {other: f"{count} batch{'es' if count != 1 else ''}" for other, count in ends.items()}
-                counts[self.rank] = f"{own} batches" if own is not None else f"started batch {started}"
+                counts = {rank: _counted(counts) for rank, counts in differing.items()}
+                counts[self.rank] = _counted(own, started)
                 return self._alarm(0.0, uneven={"epoch": training_pass[1], "counts": dict(sorted(counts.items()))})
         return None
 
@@ -371,6 +381,18 @@ class Watchdog:
                 waiting.discard(status.Get_source())
             else:
                 time.sleep(0.01)
+
+
+def _counted(counts: dict[str, int], started: int = 0) -> str:
+    """A rank's batches of a pass as the uneven-data report gives them."""
+    parts = []
+    if "ended" in counts:
+        parts.append(f"its data ended after {counts['ended']}")
+    if "planned" in counts:
+        parts.append(f"{counts['planned']} planned")
+    if started and started > min(counts.values(), default=0):
+        parts.append(f"started batch {started}")
+    return ", ".join(parts) or f"started batch {started}"
 
 
 def _keep_recent(per_pass: dict[tuple[int, int], Any]) -> None:
@@ -512,11 +534,11 @@ def training_batch_started(training_pass: tuple[int, int], batch: int) -> None:
         _watchdog.batch_started(training_pass, batch)
 
 
-def training_data_ended(training_pass: tuple[int, int], batches: int) -> None:
-    """This rank's training data of the pass ``training_pass`` (fit, epoch) ended after ``batches`` batches: tell
-    every other rank's watchdog."""
+def training_batches(training_pass: tuple[int, int], batches: int, kind: str) -> None:
+    """Tell every other rank's watchdog the number of batches of this rank's training pass ``training_pass`` (fit,
+    epoch): ``kind`` ``"planned"`` (the most the loop will run) or ``"ended"`` (where the data ended)."""
     if _watchdog is not None:
-        _watchdog.data_ended(training_pass, batches)
+        _watchdog.data_ended(training_pass, batches, kind)
 
 
 _exit_hooks: set[Callable[[], None]] = set()

@@ -151,6 +151,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._fit_index = -1
         self._training_pass = (-1, -1)  # (fit, epoch) of the training dataloader's current pass
         self._pass_offset = 0  # the batches of its epoch done before it began (a resumed epoch)
+        self._one_loader = True  # whether fit has one training loader (whose data's end is the epoch's)
 
     @property
     def _fw(self):
@@ -436,15 +437,22 @@ class MPIADStrategyMixin(MPIStrategyBase):
             random_state.restore(self._random_state_to_restore)
             self._random_state_to_restore = None
         trainer = self.lightning_module.trainer
-        self._training_pass = (self._fit_index, trainer.current_epoch)
+        training_pass = (self._fit_index, trainer.current_epoch)
+        if training_pass == self._training_pass:
+            return  # another loader of the same epoch (several training loaders, one cycled)
+        self._training_pass = training_pass
         self._pass_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # > 0: an epoch resumed
+        loaders = trainer.train_dataloader
+        self._one_loader = not isinstance(loaders, (list, tuple, dict)) or len(loaders) == 1
         if trainer.num_training_batches != float("inf"):
-            watchdog.training_data_ended(self._training_pass, int(trainer.num_training_batches))
+            watchdog.training_batches(training_pass, int(trainer.num_training_batches), "planned")
 
     def _training_pass_ended(self, batches: int) -> None:
         """The training data of this pass ended after ``batches`` batches: every rank's watchdog is told (a rank
-        beyond it waiting for this one is reported at once)."""
-        watchdog.training_data_ended(self._training_pass, self._pass_offset + batches)
+        beyond it waiting for this one is reported at once). With several training loaders, the end of one is not
+        the epoch's (Lightning may cycle it)."""
+        if self._one_loader:
+            watchdog.training_batches(self._training_pass, self._pass_offset + batches, "ended")
 
     def _before_training_batch(self) -> None:
         """Before a training batch is fetched (resumable dataloaders) or used (others), on every rank: the first
