@@ -138,3 +138,14 @@ def test_strategy_options_set_the_stall_watchdog_and_the_flight_directory(tmp_pa
     finally:
         watchdog.set_stall_timeout(before[0], before[1])
         flight.set_flight_directory(before[2])
+
+
+@pytest.mark.parametrize("case", ["cycled_stream", "capped_stream"])
+def test_healthy_epochs_whose_loader_ends_are_not_the_epochs_end_finish(case: str, tmp_path: Path) -> None:
+    """A stream Lightning cycles beside a longer loader ends before the epoch does, and a stream capped by a
+    limit_train_batches above its length ends before the planned count: neither is uneven data."""
+    code, output, _ = run_mpi_job(
+        SCRIPT, 2, "trainer", case, "flat", timeout=120, MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT)
+    )
+    assert code == 0 and "uneven training data" not in output, output[-4000:]
+    assert output.count("FINISHED") == 2

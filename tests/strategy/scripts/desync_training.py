@@ -3,7 +3,9 @@
 argv: framework ("trainer" or "fabric"), case, sync mode. Cases: "skip_backward" (the last rank skips backward and
 the optimizer step of batch 1), "extra_step" (rank 0 has one batch more), "uneven_stream" (an IterableDataset that
 gives the last rank two batches more per epoch, two epochs), "loader_hang" (the last rank's data loader blocks in a C
-call at batch 2). ``HANG <time>`` marks when the case begins.
+call at batch 2). ``HANG <time>`` marks when the case begins. Healthy cases that must finish: "cycled_stream" (a
+loader of four batches and a stream of two that Lightning cycles), "capped_stream" (a stream of four batches capped
+by limit_train_batches=10; rank 0 lingers at its last batch).
 """
 
 import sys
@@ -53,11 +55,13 @@ class Batches(Dataset):
 
 
 class Stream(IterableDataset):
-    """Four batches per epoch, six on the last rank (a stream sharded unevenly by hand)."""
+    """Four batches per epoch, six on the last rank under "uneven_stream" (a stream sharded unevenly by hand), two
+    under "cycled_stream"."""
 
     def __iter__(self):
         say(f"HANG {time.time()}")
-        for index in range(4 + 2 * (RANK == LATE)):
+        length = {"uneven_stream": 4 + 2 * (RANK == LATE), "cycled_stream": 2}.get(case, 4)
+        for index in range(length):
             yield torch.full((3,), float(index))
 
 
@@ -69,7 +73,12 @@ class Model(L.LightningModule):
         self.layer = nn.Linear(3, 1)
         self.automatic_optimization = False
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+    def training_step(self, batch, batch_idx: int) -> None:
+        if case == "cycled_stream":
+            batch = batch["map"] + batch["stream"]
+            time.sleep(0.5)  # the steps after the stream's end outlast the watchdog's poll
+        if case == "capped_stream" and RANK == 0 and batch_idx == 2:
+            time.sleep(1.5)  # the others reach the stream's end well before rank 0
         optimizer = self.optimizers()
         loss = self.layer(batch).square().mean()
         if case == "skip_backward" and RANK == LATE and batch_idx == 1:
@@ -83,8 +92,10 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def loader() -> DataLoader:
-    if case == "uneven_stream":
+def loader() -> DataLoader | dict[str, DataLoader]:
+    if case == "cycled_stream":
+        return {"map": DataLoader(Batches(), batch_size=None), "stream": DataLoader(Stream(), batch_size=None)}
+    if case in ("uneven_stream", "capped_stream"):
         return DataLoader(Stream(), batch_size=None)
     return DataLoader(Batches(), batch_size=None, shuffle=False)
 
@@ -95,6 +106,7 @@ if framework == "trainer":
         strategy=MPIADStrategy(**options),
         accelerator="cpu",
         max_epochs=2 if case == "uneven_stream" else 1,
+        limit_train_batches=10 if case == "capped_stream" else None,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
