@@ -125,19 +125,15 @@ class ShardedTraining:
     def watch_scaler(self, scaler: Any) -> None:
         """Make ``scaler`` (a ``GradScaler``) take the ranks' agreed overflow for a sharded optimizer whose pieces
         hold no gradient on this rank (see :meth:`~mpistrategy.strategy.sharding.optimizer.ShardedOptimizer.
-        report_to_scaler`); idempotent."""
-        if getattr(scaler, "_mpistrategy_watched", False):
-            return
-        unscale = scaler.unscale_
+        report_to_scaler`). The scaler's own ``unscale_`` is wrapped, so a later fit's sharding replaces this one."""
 
         def unscale_(optimizer: Any) -> None:
-            unscale(optimizer)
+            type(scaler).unscale_(scaler, optimizer)
             sharded = self.sharded(optimizer)
             if sharded is not None:
                 sharded.report_to_scaler(scaler)
 
         scaler.unscale_ = unscale_
-        scaler._mpistrategy_watched = True
 
     def after_step(self, optimizer: Any = None) -> None:
         """After ``optimizer``'s step (``None``: every optimizer's): allgather its updated shards."""
