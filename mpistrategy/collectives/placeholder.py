@@ -73,7 +73,7 @@ class Placeholder:
 
     def __getattr__(self, name: str) -> object:
         # only names a Placeholder lacks get here (``ph.sum``, ``ph.item``); protocol lookups stay plain
-        if name.startswith("__") or name.startswith("_"):
+        if name.startswith("_"):
             raise AttributeError(name)
         raise AttributeError(f"Placeholder has no .{name}: {self.not_here()}")
 

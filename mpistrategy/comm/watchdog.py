@@ -135,7 +135,7 @@ class Watchdog:
         self._pid = os.getpid()
         self._ended: float | None = None  # when this rank's script ended (time.time())
         self._sends_lock = threading.Lock()
-        # per training pass (fit, epoch): this rank's batches started, and its counts (see data_ended); the counts
+        # per training pass (fit, epoch): this rank's batches started, and its counts (see count_batches); the counts
         # the other ranks told, by rank
         self._started: dict[tuple[int, int], int] = {}
         self._own_counts: dict[tuple[int, int], dict[str, int]] = {}
@@ -186,10 +186,11 @@ class Watchdog:
 
     def batch_started(self, training_pass: tuple[int, int], batch: int) -> None:
         """This rank has started batch ``batch`` (1-based) of ``training_pass``."""
+        if training_pass not in self._started:
+            _keep_recent(self._started)
         self._started[training_pass] = max(batch, self._started.get(training_pass, 0))
-        _keep_recent(self._started)
 
-    def data_ended(self, training_pass: tuple[int, int], batches: int, kind: str) -> None:
+    def count_batches(self, training_pass: tuple[int, int], batches: int, kind: str) -> None:
         """Tell every other rank the number of batches of this rank's ``training_pass``: ``kind`` ``"planned"`` (the
         most the loop will run: the loader's length or ``limit_train_batches``) or ``"ended"`` (where its data
         ended)."""
@@ -538,7 +539,7 @@ def training_batches(training_pass: tuple[int, int], batches: int, kind: str) ->
     """Tell every other rank's watchdog the number of batches of this rank's training pass ``training_pass`` (fit,
     epoch): ``kind`` ``"planned"`` (the most the loop will run) or ``"ended"`` (where the data ended)."""
     if _watchdog is not None:
-        _watchdog.data_ended(training_pass, batches, kind)
+        _watchdog.count_batches(training_pass, batches, kind)
 
 
 _exit_hooks: set[Callable[[], None]] = set()
