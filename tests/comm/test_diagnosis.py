@@ -151,7 +151,7 @@ def test_communication_no_peer_completes_is_reported_at_exit_instead_of_holding_
 ) -> None:
     """A gradient sent in backward that the peer never receives, a dropped non-blocking allreduce the peer never
     joins: the rank waits for it at exit while its watchdog still watches, so the job ends with a stall report
-    naming the wait (it used to hold the process until the launcher's time limit)."""
+    naming the wait (an unwatched wait would hold the process until the launcher's time limit)."""
     started = time.time()
     code, output, ended = run_mpi_job(UNMATCHED, 2, case, timeout=90, MPISTRATEGY_STALL_TIMEOUT=str(STALL_TIMEOUT))
     assert code == STALL_EXIT_CODE, output[-4000:]

@@ -112,8 +112,9 @@ class _Optimized(Regressor):
     ],
 )
 def test_an_optimizer_that_cannot_step_a_shard_is_refused_on_every_rank(shard: str, kind: str, message: str) -> None:
-    """Each of these trained wrongly without a word (LBFGS never moved under stage 2, Adafactor's and a foreign
-    tensor's updates differed from flat mpi_ad's, a group added while training was not averaged under stage 2)."""
+    """Each of these would train wrongly without a word if sharded (LBFGS would not move under stage 2, Adafactor's
+    and a foreign tensor's updates would differ from flat mpi_ad's, a group added while training would not be
+    averaged under stage 2)."""
     with pytest.raises(ValueError, match=message):
         trainer(strategy=MPIADStrategy(shard=shard), max_steps=3).fit(
             _Optimized(kind), loader(regression_data(SIZE * 8), 4)

@@ -101,7 +101,8 @@ class _UnusedHead(L.LightningModule):
 def test_a_grad_scaler_with_a_rank_whose_shard_gets_no_gradient_trains_as_flat(shard: str) -> None:
     """The last rank's pieces (the unused head) never get a gradient: its GradScaler takes the ranks' agreed
     overflow (the step at which rank 0 overflows is skipped on every rank) and trains as flat mpi_ad, with the same
-    scale on every rank (it refused to step: "No inf checks were recorded")."""
+    scale on every rank (without the agreed answer, its scaler would refuse to step: "No inf checks were
+    recorded")."""
     results = []
     for mode in (None, shard):
         model = _UnusedHead()
