@@ -7,10 +7,8 @@ with MPICH over shared memory (2 ranks), a 4 MB allreduce forward and backward t
 
 The pool keeps the storages of results it handed out (up to ``per_size`` per byte size and ``capacity`` bytes in
 all) and hands one out again only when no tensor, view, array, autograd node or Python storage object
-(``result.untyped_storage()`` kept by the caller) refers to it any more: the same moment glibc could reuse the
-memory after a ``free``, so recycling never aliases live data. Tensors, arrays and autograd nodes hold the storage
-in C++ (its use count); a Python storage object is one object per storage, the one the pool keeps, so a caller
-holding it shows as a Python reference beyond the pool's own. Storages of sizes
+(``result.untyped_storage()`` kept by the caller) refers to it any more (:mod:`mpistrategy.comm.references`): the
+same moment glibc could reuse the memory after a ``free``, so recycling never aliases live data. Storages of sizes
 not asked for lately make room for new sizes; :meth:`ReceivePool.clear` returns all held memory.
 ``MPISTRATEGY_RECEIVE_POOL_BYTES`` sets the capacity (default 256 MiB; 0 switches the pool off).
 """
@@ -19,11 +17,12 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import threading
 from collections import OrderedDict
 
 import torch
+
+from mpistrategy.comm.references import AVAILABLE, HolderCheck
 
 _DEFAULT_CAPACITY = 256 << 20
 # Below this, glibc's own bins recycle memory cheaply and the buffers sit in cache anyway.
@@ -41,9 +40,8 @@ class ReceivePool:
     """
 
     def __init__(self, capacity: int, min_bytes: int = _MIN_BYTES, per_size: int = _PER_SIZE) -> None:
-        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
-        self.capacity = capacity if self._use_count is not None else 0
-        self._unreferenced = self._references([torch.UntypedStorage(0)], 0) if self.capacity else (0, 0)
+        self.capacity = capacity if AVAILABLE else 0
+        self._holders = HolderCheck()
         self.min_bytes = min_bytes
         self.per_size = per_size
         self._storages: OrderedDict[int, list[torch.UntypedStorage]] = OrderedDict()
@@ -74,16 +72,9 @@ class ReceivePool:
             self._storages.clear()
             self._held = 0
 
-    def _references(self, kept: list[torch.UntypedStorage], index: int) -> tuple[int, int]:
-        """The C++ use count and the Python reference count of ``kept[index]``, as this method sees them."""
-        assert self._use_count is not None  # the capacity is 0 without it
-        storage = kept[index]
-        return self._use_count(storage._cdata), sys.getrefcount(storage)
-
     def _is_free(self, kept: list[torch.UntypedStorage], index: int) -> bool:
-        """Whether only the pool refers to ``kept[index]``: its counts equal those of a storage held by a list only
-        (measured once, through the same method, so that the interpreter's own references cancel out)."""
-        return self._references(kept, index) == self._unreferenced
+        """Whether only the pool refers to ``kept[index]``."""
+        return not self._holders.held_elsewhere(kept, index)
 
     def _free_storage(self, nbytes: int) -> torch.UntypedStorage | None:
         kept = self._storages.get(nbytes)

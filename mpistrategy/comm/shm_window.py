@@ -26,11 +26,13 @@ import threading
 import torch
 from mpi4py import MPI
 
+from mpistrategy.comm.references import HolderCheck
+
 #: every part starts on a page boundary (and so on a cache line: no false sharing between ranks)
 PAGE = 4096
 _REMEMBERED_VIEWS = 512
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_OWN_PART = HolderCheck(own_tensors=1)  # a segment keeps one tensor on each part's memory
 #: where MPICH keeps shared windows (a tmpfs: its size bounds them)
 SHM_DIRECTORY = "/dev/shm"
 
@@ -74,6 +76,7 @@ class Segment:
         self._window: MPI.Win | None = window  # None once freed
         self._index = {world_rank: index for index, world_rank in enumerate(self.participants)}
         self._parts = [self._part_of(rank) for rank in range(comm.Get_size())]
+        self._storages = [part.untyped_storage() for part in self._parts]
         self._typed: dict[tuple, torch.Tensor] = {}
         self._chunked: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self.address = self._parts[self.rank].data_ptr()
@@ -123,11 +126,9 @@ class Segment:
         self._window.Sync()
 
     def in_use(self) -> bool:
-        """Whether a tensor other than the segment's own parts refers to its memory in this process."""
-        if _use_count is None:
-            return False
-        # the part tensor and the temporary storage object of the query hold one reference each
-        return any(_use_count(part.untyped_storage()._cdata) > 2 for part in self._parts)
+        """Whether something other than the segment's own parts (a tensor, a view, an array, a Python storage
+        object) refers to its memory in this process."""
+        return any(_OWN_PART.held_elsewhere(self._storages, index) for index in range(len(self._storages)))
 
     def free(self) -> bool:
         """Collective over ``comm``: free the window unless some rank still has tensors on it (then nothing is
@@ -141,7 +142,7 @@ class Segment:
             return False
         with _lock:
             _forget(self)
-        self._parts = []
+        self._parts, self._storages = [], []
         self._window.Unlock_all()
         self._window.Free()
         self._window = None

@@ -228,6 +228,25 @@ def test_owners_write_into_every_window_while_other_allreduces_are_in_flight() -
     assert segment.free()
 
 
+def test_a_segment_stays_allocated_while_any_rank_holds_a_view_or_its_storage_object() -> None:
+    """Freeing is collective: a view held on one rank keeps every rank's window, and so does the Python storage
+    object of a view kept after the view itself was dropped (it holds no C++ reference of its own)."""
+    segment = shm_window.allocate(4096, COMM)
+    holder = size() - 1
+    view = segment.typed(segment.rank, 0, 16, torch.float32).fill_(float(rank()))
+    kept_storage = view.untyped_storage() if rank() == holder else None
+    held = view if rank() == holder and size() > 1 else None
+    del view
+    assert segment.free() is False, "a rank's view did not keep the segment"
+    del held
+    assert segment.free() is False, "a view's storage object did not keep the segment"
+    assert kept_storage is None or torch.equal(
+        torch.empty(0, dtype=torch.float32).set_(kept_storage, 0, (16,)), torch.full((16,), float(rank()))
+    )
+    del kept_storage
+    assert segment.free() is True
+
+
 def test_disagreeing_ranks_raise_on_every_rank_and_the_next_allreduce_works() -> None:
     if size() == 1:
         pytest.skip("one rank cannot disagree with itself")
