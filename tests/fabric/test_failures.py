@@ -5,7 +5,6 @@ checkpoint, and the job exits 75. Each test runs its own ``mpiexec -n 3`` job (n
 from __future__ import annotations
 
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,8 +24,8 @@ def _run(mode: str, directory: str) -> tuple[int, str, float]:
     return run_mpi_job(SCRIPT, RANKS, mode, directory, timeout=TIMEOUT)
 
 
-def test_rank_raising_ends_every_rank_with_its_traceback() -> None:
-    code, output, ended = _run("raise", tempfile.mkdtemp())
+def test_rank_raising_ends_every_rank_with_its_traceback(tmp_path: Path) -> None:
+    code, output, ended = _run("raise", str(tmp_path))
     assert code != 0
     failed_at = re.search(r"FAILING rank=1 time=([0-9.]+)", output)
     assert failed_at, output[-4000:]
@@ -36,8 +35,8 @@ def test_rank_raising_ends_every_rank_with_its_traceback() -> None:
     assert "FINISHED" not in output
 
 
-def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step() -> None:
-    directory = tempfile.mkdtemp()
+def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    directory = str(tmp_path)
     code, output, _ = _run("usr1", directory)
     assert code == STOPPED_EXIT_CODE, output[-4000:]
     stopped = {int(r): int(s) for r, s in re.findall(r"STOPPED rank=(\d+) step=(\d+) signal=SIGUSR1", output)}

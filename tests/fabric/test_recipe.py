@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
+from pathlib import Path
 
 import torch
 
@@ -14,8 +14,8 @@ from tests.external_job import OUTER_RUN_ONLY, ROOT, run_mpi_job
 pytestmark = OUTER_RUN_ONLY
 
 
-def test_fabric_digits_learns_and_checkpoints() -> None:
-    checkpoint = os.path.join(tempfile.mkdtemp(), "digits.ckpt")
+def test_fabric_digits_learns_and_checkpoints(tmp_path: Path) -> None:
+    checkpoint = os.path.join(tmp_path, "digits.ckpt")
     script = ROOT / "recipes" / "fabric_digits.py"
     code, output, _ = run_mpi_job(script, 2, "--epochs", "3", "--checkpoint", checkpoint, timeout=300)
     assert code == 0, output[-4000:]

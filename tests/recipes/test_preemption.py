@@ -14,7 +14,6 @@ import json
 import math
 import os
 import signal
-import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -26,6 +25,7 @@ import mpistrategy.recipes.hydra_mpi  # noqa: F401
 from mpistrategy.recipes.config import register_configs
 from mpistrategy.recipes.train import CONFIG_DIR, train
 from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
+from tests.strategy.helpers import shared_tmpdir
 
 
 class SignalAt(L.Callback):
@@ -85,7 +85,7 @@ def test_a_stop_mid_epoch_and_the_rerun_end_bit_identical_to_an_uninterrupted_ru
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    base = Path(comm.bcast(tempfile.mkdtemp() if comm.rank == 0 else None))
+    base = Path(shared_tmpdir())
     noisy = ["optimizer=adamw", "model.dropout=0.2"]  # dropout and a stateful optimizer
     reference_dir, run_dir = base / "uninterrupted", base / "stopped"
     train(_cfg(reference_dir, "mpi_ad", noisy))

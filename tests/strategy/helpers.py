@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,8 +40,11 @@ def trainer(**kwargs: Any) -> L.Trainer:
 
 
 def shared_tmpdir() -> str:
-    """A temporary directory created by rank 0 and shared by every rank."""
-    path = tempfile.mkdtemp(prefix="mpistrategy-test-") if RANK == 0 else None
+    """A temporary directory created by rank 0 and shared by every rank (rank 0 removes it when it exits)."""
+    path = None
+    if RANK == 0:
+        path = tempfile.mkdtemp(prefix="mpistrategy-test-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
     return COMM.bcast(path, root=0)
 
 

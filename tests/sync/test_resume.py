@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -138,10 +137,12 @@ REPLICA_JOB = Path(__file__).parent / "scripts" / "replica_job.py"
 
 
 @OUTER_RUN_ONLY
-def test_replicas_resumed_on_another_number_of_ranks_are_dropped_with_a_warning_or_refused_on_every_rank() -> None:
+def test_replicas_resumed_on_another_number_of_ranks_are_dropped_with_a_warning_or_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
     """Local SGD saved at 3 ranks with its replicas apart: at 2 ranks, ranks 0 and 1 resume their own replicas and
     rank 0 names the replica dropped; at 4 ranks, which need a replica the checkpoint lacks, every rank raises."""
-    directory = tempfile.mkdtemp(prefix="mpistrategy-replicas-")
+    directory = str(tmp_path)
     code, output, _ = run_mpi_job(REPLICA_JOB, 3, "save", directory, timeout=200, OMP_NUM_THREADS="1")
     assert code == 0, output[-4000:]
     saved = [torch.load(os.path.join(directory, f"saved-rank{rank}.pt")) for rank in range(3)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -85,10 +84,12 @@ def _assert_same_state(got: dict, want: dict) -> None:
 
 @OUTER_RUN_ONLY
 @pytest.mark.parametrize(("saved_at", "loaded_at"), [(2, 3)])
-def test_resume_on_another_number_of_ranks_has_the_consolidated_state(saved_at: int, loaded_at: int) -> None:
+def test_resume_on_another_number_of_ranks_has_the_consolidated_state(
+    saved_at: int, loaded_at: int, tmp_path: Path
+) -> None:
     """Saved with ``shard='gradients'`` at one number of ranks, loaded at another: sharded (``shard='optimizer'``,
     re-sharded) and unsharded, the restored state is the consolidated one, and both continue alike."""
-    directory = tempfile.mkdtemp(prefix="mpistrategy-reshard-")
+    directory = str(tmp_path)
     _job("save", "gradients", saved_at, directory)
     consolidated = consolidate(os.path.join(directory, "saved.ckpt"))
     plain = consolidated["optimizer_states"][0]
