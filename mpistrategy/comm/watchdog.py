@@ -22,6 +22,12 @@ batches than it has started, or after another number than its own, the ranks no 
 (the longer ones wait for peers that will not come, or pair their collectives with the peers' next epoch): it
 raises the alarm at once, and the report names each rank's number of batches.
 
+Calls every rank must make (``trainer.save_checkpoint``, ``fabric.save``) are found made on some ranks only the
+same way: a rank entering one tells every other rank's watchdog which call (the how-manieth) and at which batch; a
+rank that starts a later batch, or ends its script, without having entered it raises the alarm at once, and the
+report names the call, the rank and line that made it, and what the others did instead. A rank that waits
+elsewhere meanwhile (in the same batch) is found by the stall timeout, and the report names the call there too.
+
 A rank that ends its script waits at exit (an ``atexit`` hook that runs before ``MPI_Finalize``) until every rank
 has ended its own, its watchdog still answering: a rank that finished while another waits in a collective is named
 in the report as ended, and every rank exits by itself, instead of one sitting silent in ``MPI_Finalize`` until
@@ -51,16 +57,18 @@ from mpi4py import MPI
 
 from mpistrategy.comm import calls, flight
 from mpistrategy.comm.abort import abort_job
+from mpistrategy.comm.stall_report import STALL_EXIT_CODE, counted, format_report
 
-#: the exit code of a rank ended by the watchdog (EX_PROTOCOL of sysexits.h is 76; 86 is mpistrategy's own)
-STALL_EXIT_CODE = 86
 #: the default stall timeout in seconds: longer than any healthy wait in a collective on a cluster
 DEFAULT_TIMEOUT = 300.0
 ACTIONS = ("abort", "warn")
 
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
-_ALARM, _STATE, _WRITTEN, _DATA_END = 1, 2, 3, 4
+_ALARM, _STATE, _WRITTEN, _DATA_END, _ENTERED = 1, 2, 3, 4, 5
+# How long a rank may wait in mpistrategy, knowing that a peer entered a call every rank must make, before it is
+# found to have gone on without the call (the collectives the peer had passed end within moments).
+_SKIP_GRACE = 5.0
 # How many recent training passes a watchdog keeps the batch counts of.
 _PASSES_KEPT = 8
 # The launcher forwards a report's output before it tears the job down within this time.
@@ -141,6 +149,10 @@ class Watchdog:
         self._own_counts: dict[tuple[int, int], dict[str, int]] = {}
         self._counts: dict[tuple[int, int], dict[int, dict[str, int]]] = {}
         self._uneven_reported = False
+        # calls every rank must make: this rank's entries by name, and the peers' entries it has not matched yet
+        self._entered: dict[str, int] = {}
+        self._unmatched: list[dict[str, Any]] = []
+        self._skip_reported = False
         self._thread = threading.Thread(target=self._run, name="mpistrategy-watchdog", daemon=True)
         self._thread.start()
 
@@ -176,10 +188,9 @@ class Watchdog:
         while not self._stopping.wait(self._interval()):
             trigger = self._received_alarm()
             if trigger is None and _timeout > 0:
-                trigger = self._uneven_data()
-            if trigger is None and _timeout > 0 and self._ended is None:
-                since = self._waiting_since()
-                if since is not None:
+                since = self._waiting_since() if self._ended is None else None
+                trigger = self._uneven_data() or self._skipped_call(since)
+                if trigger is None and since is not None:
                     trigger = self._own_stall(since)
             if trigger is not None:
                 self._report(trigger)
@@ -204,6 +215,26 @@ class Watchdog:
         for other in range(self.size):
             if other != self.rank:
                 self._send(message, other, _DATA_END)
+
+    def entered(self, name: str, advice: str) -> None:
+        """This rank has entered ``name``, a call every rank must make (``advice``: how to call it right); tells
+        every other rank's watchdog."""
+        count = self._entered[name] = self._entered.get(name, 0) + 1
+        if _timeout <= 0:
+            return
+        file, line = calls.call_site()
+        entry = {"rank": self.rank, "name": name, "count": count, "advice": advice, "at": self._position()}
+        message = pickle.dumps({**entry, "site": f"{calls.short_path(file)}:{line}"})
+        for other in range(self.size):
+            if other != self.rank:
+                self._send(message, other, _ENTERED)
+
+    def _position(self) -> tuple[tuple[int, int], int] | None:
+        """This rank's latest training pass and the batch of it started last (``None``: none started)."""
+        if not self._started:
+            return None
+        latest = max(self._started)
+        return latest, self._started[latest]
 
     # ------------------------------------------------------------------------------------------------ detection
 
@@ -265,9 +296,42 @@ class Watchdog:
             }
             if differing:
                 self._uneven_reported = True
-                counts = {rank: _counted(counts) for rank, counts in differing.items()}
-                counts[self.rank] = _counted(own, started)
+                counts = {rank: counted(counts) for rank, counts in differing.items()}
+                counts[self.rank] = counted(own, started)
                 return self._alarm(0.0, uneven={"epoch": training_pass[1], "counts": dict(sorted(counts.items()))})
+        return None
+
+    def _skipped_call(self, since: float | None) -> dict[str, Any] | None:
+        """The alarm of a rank that went on past a call a peer entered without entering it itself (sent to every
+        rank), else ``None``; once. Went on: started a later batch, ended its script, or has waited in mpistrategy
+        (since ``since``) for :data:`_SKIP_GRACE` seconds with the peer's entry known as long (the peer is in the
+        call and no longer in any collective this rank waits in: those it has passed end within moments)."""
+        status = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, _ENTERED, status):
+            message = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv([message, MPI.BYTE], status.Get_source(), _ENTERED)
+            self._unmatched.append({**pickle.loads(message), "received": time.time()})
+        self._unmatched = [e for e in self._unmatched if self._entered.get(e["name"], 0) < e["count"]]
+        if self._skip_reported:
+            return None
+        own, now = self._position(), time.time()
+        waited = 0.0 if since is None else now - since
+        for entry in self._unmatched:
+            beyond = own is not None and (entry["at"] is None or own > tuple(entry["at"]))
+            waiting = since is not None and min(waited, now - entry["received"]) > _SKIP_GRACE
+            if beyond or waiting or self._ended is not None:
+                self._skip_reported = True
+                went_on = {
+                    "rank": self.rank,
+                    "at": own,
+                    "ended": self._ended is not None,
+                    "waiting": (waited, _call_state(calls.current), _innermost(self._waiting_frames()))
+                    if waiting and not beyond
+                    else None,
+                }
+                return self._alarm(
+                    0.0, skipped={**entry, "went_on": went_on, "entered": self._entered.get(entry["name"], 0)}
+                )
         return None
 
     def _alarm(self, waited: float, **cause: Any) -> dict[str, Any]:
@@ -327,6 +391,7 @@ class Watchdog:
             "current": _call_state(current),
             "last": _call_state(calls.last),
             "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
+            "entered": dict(self._entered),
             "where": _innermost(frames),
             "now": _now_at(frames.get(threading.main_thread().ident or 0)),
             "stacks": stacks,
@@ -384,18 +449,6 @@ class Watchdog:
                 time.sleep(0.01)
 
 
-def _counted(counts: dict[str, int], started: int = 0) -> str:
-    """A rank's batches of a pass as the uneven-data report gives them."""
-    parts = []
-    if "ended" in counts:
-        parts.append(f"its data ended after {counts['ended']}")
-    if "planned" in counts:
-        parts.append(f"{counts['planned']} planned")
-    if started and started > min(counts.values(), default=0):
-        parts.append(f"started batch {started}")
-    return ", ".join(parts) or f"started batch {started}"
-
-
 def _keep_recent(per_pass: dict[tuple[int, int], Any]) -> None:
     """Forget all but the most recent training passes."""
     for training_pass in sorted(per_pass)[:-_PASSES_KEPT]:
@@ -433,91 +486,6 @@ def _write(text: str) -> None:
         pass
 
 
-def _ago(state: dict[str, Any], call: dict[str, Any]) -> float:
-    return state["time"] - call["started"]
-
-
-def format_report(
-    trigger: dict[str, Any], states: dict[int, dict[str, Any]], size: int, rank: int, timeout: float, action: str
-) -> str:
-    """The stall report as rank ``rank`` prints it: which ranks have not arrived, every rank's last collective, and
-    this rank's stack."""
-    call = trigger["call"]
-    if call is not None:
-        waited_in = f"{call['call']} (call #{call['count']} on its communicator) at {call['site']}"
-        members = [int(r) for r in call["members"]]
-        missing = [
-            other
-            for other in members
-            if other in states and states[other]["counts"].get(call["key"], 0) < call["count"]
-        ]
-    else:
-        last = trigger["last"]
-        after = "" if last is None else f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
-        waited_in, members, missing = f"{trigger['where']}{after}", list(range(size)), []
-    silent = [other for other in range(size) if other not in states]
-    uneven = trigger.get("uneven")
-    if uneven is not None:
-        counts = "; ".join(f"rank {other}: {count}" for other, count in uneven["counts"].items())
-        lines = [
-            f"[mpistrategy] uneven training data (found on rank {trigger['rank']}, reported on rank {rank}): the "
-            f"ranks' training data of epoch {uneven['epoch']} has different numbers of batches ({counts}), so the "
-            "ranks no longer run the same collectives (the longer ones wait for ranks that will not take part, or "
-            "pair theirs with the next epoch's). Give every rank the same number of batches per epoch: split an "
-            "IterableDataset evenly over the ranks (the remainder dropped), keep Lightning's DistributedSampler "
-            "for a map-style dataset (use_distributed_sampler=True), or cap the epoch with limit_train_batches."
-        ]
-    else:
-        lines = [
-            f"[mpistrategy] stall (reported on rank {rank}): rank {trigger['rank']} has waited "
-            f"{trigger['waited']:.1f} s in {waited_in} (MPISTRATEGY_STALL_TIMEOUT={timeout:g} s)."
-        ]
-    if missing:
-        lines.append(f"  not arrived: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
-    if silent:
-        lines.append(
-            f"  did not answer: rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} (gone, or "
-            "holding the GIL in a C call: its watchdog thread cannot run)"
-        )
-    for other in range(size):
-        state = states.get(other)
-        if state is None:
-            lines.append(f"  rank {other}: did not answer")
-            continue
-        where = f"{state['host']}, pid {state['pid']}"
-        current, last = state["current"], state["last"]
-        if state.get("ended") is not None:
-            text = f"ended its script {state['time'] - state['ended']:.1f} s ago, waiting at exit for the others"
-            if last is not None:
-                text += f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
-        elif state["inside"] and current is not None:
-            text = f"waiting {_ago(state, current):.1f} s in {current['call']} #{current['count']} at {current['site']}"
-        elif state["inside"]:
-            text = f"waiting in {state['where']}"
-            if last is not None:
-                text += f"; its last collective: {last['call']} #{last['count']} at {last['site']}"
-                text += f", entered {_ago(state, last):.1f} s ago"
-        elif last is not None:
-            text = (
-                f"not in a collective, now at {state['now']}; last entered {last['call']} #{last['count']} at "
-                f"{last['site']} {_ago(state, last):.1f} s ago"
-            )
-        else:
-            text = f"not in a collective, now at {state['now']}; has entered none yet"
-        lines.append(f"  rank {other} ({where}): {text}")
-    own = states.get(rank)
-    if own is not None:
-        for name, stack in own["stacks"].items():
-            lines.append(f"[mpistrategy] rank {rank}'s stack ({name}), innermost last:")
-            lines.append(stack.rstrip("\n"))
-    if action == "abort":
-        lines.append(
-            f"[mpistrategy] rank {rank} ends with exit code {STALL_EXIT_CODE} (stall watchdog; "
-            "MPISTRATEGY_STALL_ACTION=warn only reports)."
-        )
-    return "\n".join(lines) + "\n"
-
-
 _watchdog: Watchdog | None = None
 
 
@@ -533,6 +501,13 @@ def training_batch_started(training_pass: tuple[int, int], batch: int) -> None:
     ``training_pass`` (fit, epoch) (see the module docstring: uneven data)."""
     if _watchdog is not None:
         _watchdog.batch_started(training_pass, batch)
+
+
+def entered_every_rank_call(name: str, advice: str) -> None:
+    """Tell every other rank's watchdog that this rank has entered ``name``, a call every rank must make
+    (``advice``: how to call it right); a rank that goes on without it is reported (see the module docstring)."""
+    if _watchdog is not None:
+        _watchdog.entered(name, advice)
 
 
 def training_batches(training_pass: tuple[int, int], batches: int, kind: str) -> None:

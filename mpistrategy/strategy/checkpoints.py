@@ -33,6 +33,15 @@ from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError
 log = logging.getLogger(__name__)
 
 KEY = "mpistrategy"
+#: how to save right, for the report of a save that some ranks made and others went on without
+SAVE_ON_EVERY_RANK = (
+    "every rank adds its part (its random state, its optimizer shard) and learns that rank 0 wrote the file. Call "
+    "it on every rank, not under `if trainer.is_global_zero:` (rank 0 alone writes the file by itself)."
+)
+FABRIC_SAVE_ON_EVERY_RANK = (
+    "every rank writes its optimizer shard (when sharded) and learns that rank 0 wrote the file. Call it on every "
+    "rank, not under `if fabric.is_global_zero:` (rank 0 alone writes the file by itself)."
+)
 
 Checkpoint = dict[str, Any]
 #: how reading failed on a rank: ("corrupt", what is wrong) or ("error", "ExceptionType: message")

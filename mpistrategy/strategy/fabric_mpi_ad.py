@@ -56,6 +56,7 @@ except ImportError:  # the core install has no Lightning
     raise
 from torch import Tensor, nn
 
+from mpistrategy.comm import watchdog
 from mpistrategy.strategy import checkpoints, failures
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
@@ -253,7 +254,9 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         """Collective: rank 0 writes the state atomically, sealed with a SHA-256; every rank learns the outcome.
         The engines' state goes under ``"mpistrategy"`` when a sync mode or aggregator keeps some or the replicas
         differ between ranks. A sharded optimizer's entry is a manifest; the ranks of one copy of its state write
-        their shard files beside ``path`` first (see :mod:`~mpistrategy.strategy.sharding.checkpoint`)."""
+        their shard files beside ``path`` first (see :mod:`~mpistrategy.strategy.sharding.checkpoint`). The stall
+        watchdog reports a rank that goes on without saving while another saves."""
+        watchdog.entered_every_rank_call("fabric.save", checkpoints.FABRIC_SAVE_ON_EVERY_RANK)
         unsharded = {key: sharded_checkpoint.placeholder() if self._sharded(obj) else obj for key, obj in state.items()}
         checkpoint = self._convert_stateful_objects_in_state(unsharded, filter=filter or {})
         engine_states = [engine.state_dict() for _, engine in self._engines]

@@ -294,6 +294,12 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     # -------------------------------------------------------------------------------------- checkpoints
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state: the first step of ``trainer.save_checkpoint``, which every rank must call (the stall
+        watchdog tells the other ranks that this one entered it, and reports a rank that goes on without it)."""
+        watchdog.entered_every_rank_call("trainer.save_checkpoint", checkpoints.SAVE_ON_EVERY_RANK)
+        return super().lightning_module_state_dict()  # type: ignore[misc]
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Collective: rank 0 writes ``checkpoint`` atomically, sealed with a SHA-256, with the sync mode's and the
         aggregator's state and every rank's random state added (see :mod:`~mpistrategy.strategy.checkpoints`);

@@ -95,6 +95,61 @@ def test_an_uneven_iterable_dataset_is_reported_long_before_the_stall_timeout(tm
     assert "FINISHED" not in output
 
 
+def test_a_checkpoint_saved_on_rank_zero_only_is_reported_long_before_the_stall_timeout(tmp_path: Path) -> None:
+    """Rank 0 alone calls ``trainer.save_checkpoint`` in the training step of batch_idx 1 and waits there for the
+    others' parts; the others wait in that batch's gradient sync. With the stall timeout at its default (300 s),
+    every rank names the call, the line that made it and the fix, within seconds."""
+    code, output, ended = run_mpi_job(
+        SCRIPT, 3, "trainer", "save_on_rank_zero", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - began < 60, f"ended {ended - began:.1f} s after rank 0 began to save"
+    site = re.escape(_line_of("save"))
+    for rank in range(3):
+        found = re.search(
+            rf"trainer.save_checkpoint called on some ranks only \(found on rank [12], reported on rank {rank}\): "
+            rf"rank 0 called it \(its call #1\) at \S*{site}, in epoch 0 at batch_idx 1; rank [12] has waited "
+            r"\d+\.\d s in gradient sync\(training batch=1\) #\d+ at \S+ without it \(0 such calls there\)",
+            output,
+        )
+        assert found, output[-4000:]
+        report = output[found.start() :]
+        assert "not under `if trainer.is_global_zero:`" in report.splitlines()[0]
+        assert re.search(r"entered unequally \(rank 0: 1, rank 1: 0, rank 2: 0\)", report), report
+    assert "FINISHED" not in output and not (tmp_path / "saved.ckpt").exists()
+
+
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+def test_a_checkpoint_saved_on_every_rank_at_different_times_is_no_desync(framework: str, tmp_path: Path) -> None:
+    """Every rank saves at batch 1, the last one 1.5 s after the others (which wait for it): the run finishes."""
+    code, output, _ = run_mpi_job(
+        SCRIPT, 2, framework, "save_on_every_rank", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == 0, output[-4000:]
+    assert output.count("FINISHED") == 2 and (tmp_path / "saved.ckpt").exists()
+
+
+def test_fabric_save_on_rank_zero_only_is_reported_long_before_the_stall_timeout(tmp_path: Path) -> None:
+    """Under Fabric rank 0 alone calls ``fabric.save``; the other rank waits in the next gradient sync: with the
+    stall timeout at its default, both ranks name the save, where it was made and where the other rank waits."""
+    code, output, ended = run_mpi_job(
+        SCRIPT, 2, "fabric", "save_on_rank_zero", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - began < 60, f"ended {ended - began:.1f} s after rank 0 began to save"
+    site, backward = re.escape(_line_of("fabric save")), re.escape(_line_of("backward"))
+    for rank in range(2):
+        assert re.search(
+            rf"fabric.save called on some ranks only \(found on rank 1, reported on rank {rank}\): rank 0 called it "
+            rf"\(its call #1\) at \S*{site}; rank 1 has waited \d+\.\d s in "
+            rf"gradient sync\(backward pass=1\) #\d+ at \S*{backward} without it",
+            output,
+        ), output[-4000:]
+    assert "not under `if fabric.is_global_zero:`" in output
+
+
 @pytest.mark.parametrize(("framework", "sync", "ranks"), [("trainer", "daso", 2), ("fabric", "local_sgd", 3)])
 def test_rank_stuck_in_its_data_loader_is_reported_with_its_stack(
     framework: str, sync: str, ranks: int, tmp_path: Path

@@ -3,11 +3,13 @@
 argv: framework ("trainer" or "fabric"), case, sync mode. Cases: "skip_backward" (the last rank skips backward and
 the optimizer step of batch 1), "extra_step" (rank 0 has one batch more), "uneven_stream" (an IterableDataset that
 gives the last rank two batches more per epoch, two epochs), "loader_hang" (the last rank's data loader blocks in a C
-call at batch 2). ``HANG <time>`` marks when the case begins. Healthy cases that must finish: "cycled_stream" (a
-loader of four batches and a stream of two that Lightning cycles), "capped_stream" (a stream of four batches capped
-by limit_train_batches=10; rank 0 lingers at its last batch).
+call at batch 2), "save_on_rank_zero" (rank 0 alone saves a checkpoint at batch 1). ``HANG <time>`` marks when the
+case begins. Healthy cases that must finish: "cycled_stream" (a loader of four batches and a stream of two that
+Lightning cycles), "capped_stream" (a stream of four batches capped by limit_train_batches=10; rank 0 lingers at its
+last batch), "save_on_every_rank" (every rank saves at batch 1, the last one 1.5 s after the others).
 """
 
+import os
 import sys
 import time
 
@@ -26,6 +28,7 @@ framework, case, sync_name = sys.argv[1:4]
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 LATE = SIZE - 1
 BATCHES = 4 + (case == "extra_step" and RANK == 0)
+CHECKPOINT = os.path.join(os.environ.get("MPISTRATEGY_FLIGHT_DIR", "."), "saved.ckpt")
 SYNCS = {
     "flat": FlatSync,
     "hierarchical": HierarchicalSync,
@@ -84,12 +87,24 @@ class Model(L.LightningModule):
         if case == "skip_backward" and RANK == LATE and batch_idx == 1:
             say(f"HANG {time.time()}")
             return  # marker: skip
+        if batch_idx == 1 and saves():
+            self.trainer.save_checkpoint(CHECKPOINT)  # marker: save
         self.manual_backward(loss)  # marker: manual backward
         optimizer.step()
         optimizer.zero_grad()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def saves() -> bool:
+    """Whether this rank saves a checkpoint at batch 1 (the last rank 1.5 s after the others)."""
+    if case == "save_on_rank_zero" and RANK == 0:
+        say(f"HANG {time.time()}")
+        return True
+    if case == "save_on_every_rank" and RANK == LATE:
+        time.sleep(1.5)
+    return case == "save_on_every_rank"
 
 
 def loader() -> DataLoader | dict[str, DataLoader]:
@@ -126,6 +141,8 @@ else:
         if case == "skip_backward" and RANK == LATE and index == 1:
             say(f"HANG {time.time()}")
             continue  # marker: skip
+        if index == 1 and saves():
+            fabric.save(CHECKPOINT, {"model": model, "optimizer": optimizer})  # marker: fabric save
         loss = model(batch).square().mean()
         fabric.backward(loss)  # marker: backward
         optimizer.step()
