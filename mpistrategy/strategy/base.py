@@ -245,10 +245,11 @@ class MPIStrategyBase:
         sync_mode: SyncMode | None = None,
         aggregator: Aggregator | None = None,
         topology: Topology | None = None,
+        problem: Exception | None = None,
     ) -> DataParallelEngine:
         """A set-up :class:`DataParallelEngine` over ``module`` (collective): gradient buckets combined by
         ``aggregator`` under ``sync_mode`` on ``topology``'s communicators (defaults: the strategy's);
-        configuration errors raise on every rank."""
+        configuration errors, and ``problem`` (one the caller found on this rank), raise on every rank."""
         engine = DataParallelEngine(
             sync_mode if sync_mode is not None else self.sync,
             aggregator if aggregator is not None else self.aggregator,
@@ -261,7 +262,7 @@ class MPIStrategyBase:
             self.shard,
             self._uses_grad_scaler(),
         )
-        engine.setup(module, optimizers)
+        engine.setup(module, optimizers, problem)
         return engine
 
     def _uses_grad_scaler(self) -> bool:

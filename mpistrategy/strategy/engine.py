@@ -86,11 +86,14 @@ class DataParallelEngine:
         self.sharding: ShardedTraining | None = None
         self._sync_pass = False
 
-    def setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    def setup(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], problem: Exception | None = None
+    ) -> None:
         """Set the sync mode up and build the gradient buckets (collective). Configuration errors raise on every
-        rank: each rank checks the same configuration, and a failure on some ranks only is agreed on."""
+        rank: each rank checks the same configuration, and a failure on some ranks only is agreed on; so does
+        ``problem``, one the caller found on this rank (raised where no options problem is)."""
         self.module, self.optimizers = module, list(optimizers)
-        self._agree_on(self._options_problem(), "checking the sync mode and shard options")
+        self._agree_on(self._options_problem() or problem, "checking the sync mode and shard options")
         if (
             self.topology.rank == 0
             and not isinstance(self.aggregator, MeanAggregator)

@@ -164,7 +164,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._fit_index = next(_fits)
-        fitting = trainer.state.fn == fw.TrainerFn.FITTING
+        fitting = self._fitting()
         if fitting and self._layer_sync is not None:
             layer_sync = self._layer_sync
             if isinstance(layer_sync, fw.TorchSyncBatchNorm):
@@ -177,14 +177,15 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._attach_metric_sync()
         if fitting:
             problem = _param_group_callback_problem(trainer) if self.shard is not None else None
-            failures.raise_together(problem, self.topology.control, "setting up shard=", ValueError)  # every rank
             self.setup_optimizers(trainer)
-            if self.world_size > 1 and self.data_parallel:
-                self._engine = self._build_engine(self.model, self.optimizers)
+            if self.world_size > 1 and self.data_parallel:  # the engine's option agreement raises it on every rank
+                self._engine = self._build_engine(self.model, self.optimizers, problem=problem)
                 self._finished_engine = None
                 if self._engine_state is not None:
                     self._engine.load_state_dict(self._engine_state)
                     self._engine_state = None
+            else:
+                failures.raise_together(problem, self.topology.control, "setting up shard=", ValueError)
         self.setup_precision_plugin()
         if fitting:
             fw.optimizers_to_device(self.optimizers, self.root_device)

@@ -122,14 +122,18 @@ def test_an_optimizer_that_cannot_step_a_shard_is_refused_on_every_rank(shard: s
     _still_in_step()
 
 
-@pytest.mark.mpi(ranks=(2,), timeout=120)
-def test_a_finetuning_callback_is_refused_at_setup_on_every_rank() -> None:
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+@pytest.mark.parametrize("on_rank_zero_only", [False, True])
+def test_a_finetuning_callback_is_refused_at_setup_on_every_rank(on_rank_zero_only: bool) -> None:
+    """Also when rank 0 alone has the callback: the others raise naming rank 0's error, none waits."""
     from lightning.pytorch.callbacks import BackboneFinetuning
 
     model = Regressor(mlp())
     model.backbone = model.net  # what BackboneFinetuning freezes, then unfreezes into a new parameter group
-    with pytest.raises(ValueError, match=r"the callback BackboneFinetuning adds parameter groups"):
-        trainer(strategy=MPIADStrategy(shard="optimizer"), max_steps=2, callbacks=[BackboneFinetuning()]).fit(
+    callbacks = [BackboneFinetuning()] if RANK == 0 or not on_rank_zero_only else []
+    message = r"the callback BackboneFinetuning adds parameter groups"
+    with pytest.raises(ValueError, match=message if callbacks else rf"rank 0.*{message}"):
+        trainer(strategy=MPIADStrategy(shard="optimizer"), max_steps=2, callbacks=callbacks).fit(
             model, loader(regression_data(SIZE * 8), 4)
         )
     _still_in_step()
