@@ -23,18 +23,29 @@ Both tell the strategy how many batches a pass had once its data ended, which th
 the other ranks' position (:mod:`mpistrategy.comm.watchdog`: uneven data). Both forward the loader's attributes,
 in both directions: what Lightning sets on the loader it was given (``worker_init_fn`` under
 ``seed_everything(workers=True)``) reaches the DataLoader.
+
+Only the training loop's passes (the iterators Lightning's ``CombinedLoader`` makes) are counted and run the
+hooks: any other reader of ``trainer.train_dataloader`` (a look at a batch on rank 0 only, to log or plot it) gets
+the loader's own iterator, so it neither moves the recorded position nor runs a hook (which may be collective)
+on some ranks only.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 log = logging.getLogger(__name__)
+
+#: the modules whose iterators are the training loop's passes (Lightning's CombinedLoader, in both packages)
+_TRAINING_LOOP_MODULES = frozenset(
+    {"lightning.pytorch.utilities.combined_loader", "pytorch_lightning.utilities.combined_loader"}
+)
 
 
 class _SkippingSampler(Sampler[int]):
@@ -75,6 +86,15 @@ class _LoaderView:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def __iter__(self) -> Iterator[Any]:
+        """A training pass when the training loop asks (see the module docstring), else the loader's iterator."""
+        if sys._getframe(1).f_globals.get("__name__") not in _TRAINING_LOOP_MODULES:
+            return iter(cast(Iterable[Any], self.loader))
+        return self._training_pass()
+
+    def _training_pass(self) -> Iterator[Any]:
+        raise NotImplementedError
+
 
 class CountedLoader(_LoaderView):
     """A training loader whose order cannot be resumed: its batches unchanged, and where each pass starts and ends.
@@ -92,10 +112,7 @@ class CountedLoader(_LoaderView):
         self._before_pass = before_pass
         self._pass_ended = pass_ended
 
-    def __iter__(self) -> Iterator[Any]:
-        return self._batches_of()
-
-    def _batches_of(self) -> Iterator[Any]:
+    def _training_pass(self) -> Iterator[Any]:
         self._before_pass()
         batches = 0
         for batch in cast(Iterable[Any], self.loader):
@@ -136,15 +153,17 @@ class ResumableLoader(_LoaderView):
         self._batches = 0
         self._resume_at: dict[str, int] | None = None
 
-    def __iter__(self) -> Iterator[Any]:
+    def _training_pass(self) -> Iterator[Any]:
         self._batches = self._skip_for_resume()
         return self._batches_of(self._batches)
 
     def _batches_of(self, skipped: int) -> Iterator[Any]:
-        """The pass's batches. The DataLoader's iterator is made at the first fetch (a pass Lightning makes but
-        never reads, such as that of an epoch restarted at its end, draws nothing from the random generators)."""
+        """The pass's batches, the first ``skipped`` left out. The DataLoader's iterator is made at the first fetch
+        (a pass Lightning makes but never reads, such as that of an epoch restarted at its end, draws nothing from
+        the random generators)."""
         if self._before_pass is not None:
             self._before_pass()
+        self._order.skip = skipped * self._batch_size
         iterator = iter(self.loader)
         while True:
             self._before_batch()
@@ -184,7 +203,6 @@ class ResumableLoader(_LoaderView):
                 _warn_cannot_continue(state, replicas, batches)
             return 0
         self._order.set_epoch(state["epoch"])
-        self._order.skip = state["batches"] * self._batch_size
         return state["batches"]
 
 

@@ -126,11 +126,12 @@ def fit_with_epoch_checkpoints(
 
 
 def stop_then_resume(
-    directory: str, signum: int, signal_step: int, **options: Any
+    directory: str, signum: int, signal_step: int, callbacks: tuple = (), **options: Any
 ) -> tuple[L.LightningModule, L.Trainer]:
     """Fit until ``signum`` arrives after ``signal_step`` steps (every rank stops one step later, exit code 75, a
-    checkpoint of that step), then resume from that checkpoint to the end; returns the resumed model and trainer."""
-    _, stopped, code = fit_noisy(directory, callbacks=(SignalAt(signal_step, signum),), **options)
+    checkpoint of that step), then resume from that checkpoint to the end, both with ``callbacks`` too; returns the
+    resumed model and trainer."""
+    _, stopped, code = fit_noisy(directory, callbacks=(SignalAt(signal_step, signum), *callbacks), **options)
     assert code == STOPPED_EXIT_CODE
     assert stopped.global_step == signal_step + 1  # every rank decides one step after the signal
     checkpoint = os.path.join(directory, "hpc_ckpt_1.ckpt")
@@ -138,7 +139,7 @@ def stop_then_resume(
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, fit, code = fit_noisy(directory, ckpt_path=checkpoint, **options)
+        model, fit, code = fit_noisy(directory, ckpt_path=checkpoint, callbacks=callbacks, **options)
     assert code is None
     assert not [w for w in caught if "not resumable" in str(w.message)], "Lightning called the dataloader unresumable"
     assert isinstance(fit.train_dataloader, ResumableLoader)

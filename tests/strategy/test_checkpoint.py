@@ -11,12 +11,14 @@ import shutil
 import signal
 import struct
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mpistrategy.aggregation import GradBucket, MeanAggregator
@@ -134,6 +136,38 @@ def test_stop_mid_epoch_then_resume_ends_bit_identical_to_an_uninterrupted_run(
     assert_same_training_state(resumed, reference)
 
 
+class LookAtABatchOnRankZero(L.Callback):
+    """Rank 0 alone reads a batch of ``trainer.train_dataloader`` (as one would to log it) at every epoch start and
+    after every batch, its random state kept (the DataLoader's iterator draws a seed from torch's generator)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._look(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._look(trainer)
+
+    def _look(self, trainer: L.Trainer) -> None:
+        if RANK == 0:
+            with torch.random.fork_rng():
+                next(iter(trainer.train_dataloader))
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=240)
+def test_a_look_at_the_training_loader_on_rank_zero_changes_neither_training_nor_its_resume() -> None:
+    """Stopped in the middle of epoch 1 and resumed, with rank 0 reading batches of the training loader all along:
+    bit for bit the uninterrupted run without the looks (no hook ran on rank 0 alone, the position stayed)."""
+    reference = _uninterrupted(1)
+    resumed = stop_then_resume(
+        shared_tmpdir(),
+        signal.SIGUSR1,
+        7,
+        callbacks=(LookAtABatchOnRankZero(),),
+        epochs=EPOCHS,
+        batches_per_epoch=BATCHES_PER_EPOCH,
+    )
+    assert_same_training_state(resumed, reference)
+
+
 #: how the end of an epoch comes: Trainer options, and the optimizer steps of an epoch
 EPOCH_ENDS = {
     "by ModelCheckpoint": ({}, BATCHES_PER_EPOCH),
@@ -185,13 +219,18 @@ def _sharded_loader(replicas: int, rank: int, samples: int = 40, batch: int = 3)
     return DataLoader(dataset, batch_size=batch, sampler=DistributedSampler(dataset, replicas, rank, seed=4))
 
 
+def _training_pass(wrapper: object) -> Iterator[Any]:
+    """A pass over a training loader wrapper as Lightning's training loop makes it (through its CombinedLoader)."""
+    return (batch for batch, _, _ in CombinedLoader(wrapper))
+
+
 def test_resumable_loader_continues_the_epoch_after_the_batches_done() -> None:
     reference = make_resumable(_sharded_loader(2, 1), lambda: None)
     assert reference is not None
     reference.sampler.set_epoch(3)
-    order = [batch[0].tolist() for batch in reference]
+    order = [batch[0].tolist() for batch in _training_pass(reference)]
     assert len(order) == len(reference) == 7
-    stopped = iter(reference)
+    stopped = _training_pass(reference)
     for _ in range(4):
         next(stopped)
     state = reference.state_dict()
@@ -200,23 +239,23 @@ def test_resumable_loader_continues_the_epoch_after_the_batches_done() -> None:
     resumed = make_resumable(_sharded_loader(2, 1), lambda: None)
     assert resumed is not None
     resumed.load_state_dict(state)
-    assert [batch[0].tolist() for batch in resumed] == order[4:]
+    assert [batch[0].tolist() for batch in _training_pass(resumed)] == order[4:]
     assert resumed.state_dict()["batches"] == 7
     resumed.sampler.set_epoch(4)  # the next epoch is whole again
-    assert len([batch for batch in resumed]) == 7
+    assert len(list(_training_pass(resumed))) == 7
 
 
 def test_resumable_loader_on_another_number_of_ranks_restarts_the_epoch_with_a_warning(caplog) -> None:
     saved = make_resumable(_sharded_loader(3, 0), lambda: None)
     assert saved is not None
-    iterator = iter(saved)
+    iterator = _training_pass(saved)
     next(iterator)
     next(iterator)
     resumed = make_resumable(_sharded_loader(2, 0), lambda: None)
     assert resumed is not None
     resumed.load_state_dict(saved.state_dict())
     with caplog.at_level(logging.WARNING):
-        batches = list(resumed)
+        batches = list(_training_pass(resumed))
     assert len(batches) == len(resumed) == 7
     assert "3 ranks" in caplog.text and "this run has 2 ranks" in caplog.text and "cannot continue" in caplog.text
 
@@ -237,11 +276,11 @@ def test_training_loader_wrappers_count_each_pass_and_forward_attribute_writes()
     resumable = make_resumable(_sharded_loader(2, 1), lambda: None, lambda: None, ends.append)
     assert resumable is not None
     state = resumable.state_dict() | {"batches": 3}
-    assert len(list(resumable)) == 7
+    assert len(list(_training_pass(resumable))) == 7
     resumable.load_state_dict(state)
-    assert len(list(resumable)) == 4
+    assert len(list(_training_pass(resumable))) == 4
     stream = CountedLoader(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), lambda: None, ends.append)
-    assert [len(batch[0]) for batch in stream] == [4, 4, 2]
+    assert [len(batch[0]) for batch in _training_pass(stream)] == [4, 4, 2]
     assert ends == [7, 4, 3]
 
     def seeding(worker: int) -> None:
@@ -250,6 +289,28 @@ def test_training_loader_wrappers_count_each_pass_and_forward_attribute_writes()
     for wrapper in (resumable, stream):
         wrapper.worker_init_fn = seeding
         assert unwrapped(wrapper).worker_init_fn is seeding and wrapper.worker_init_fn is seeding
+
+
+def test_other_readers_of_a_training_loader_neither_move_its_position_nor_run_its_hooks() -> None:
+    """A look at ``trainer.train_dataloader`` outside the training loop (on rank 0 only, say) is the loader's own
+    iteration: the recorded position, a pending resume and the hooks (which may be collective) are the loop's."""
+    calls: list[str] = []
+    resumable = make_resumable(
+        _sharded_loader(2, 1), lambda: calls.append("batch"), lambda: calls.append("pass"), calls.append
+    )
+    assert resumable is not None
+    reference = [batch[0].tolist() for batch in _training_pass(make_resumable(_sharded_loader(2, 1), lambda: None))]
+    resumable.load_state_dict(resumable.state_dict() | {"batches": 3})
+    looked_at = [batch[0].tolist() for batch in resumable]
+    assert looked_at == reference and calls == [] and resumable.state_dict()["batches"] == 0
+    passing = _training_pass(resumable)
+    assert next(passing)[0].tolist() == reference[3]
+    assert next(iter(resumable))[0].tolist() == reference[0]  # a look in the middle of the pass
+    assert [batch[0].tolist() for batch in passing] == reference[4:]
+    assert resumable.state_dict()["batches"] == 7 and calls == ["pass"] + ["batch"] * 5 + [4]
+    stream = CountedLoader(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), lambda: calls.append("pass"))
+    calls.clear()
+    assert [len(batch[0]) for batch in stream] == [4, 4, 2] and calls == []
 
 
 # --- corrupt checkpoints ----------------------------------------------------------------------------------------------
