@@ -121,17 +121,24 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def __init__(
         self,
-        *args: Any,
+        accelerator: Any = None,
+        parallel_devices: Any = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
         precision_plugin: Any = None,
         log_traffic: bool = True,
         log_memory: bool = True,
         checkpoint_on_stop: bool = True,
         **options: Any,
     ) -> None:
-        # args: accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin (Lightning's order)
-        if precision_plugin is not None:
-            options["precision"] = precision_plugin
-        super().__init__(*args, **options)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision_plugin,
+            **options,
+        )
         self.log_traffic = log_traffic
         self.log_memory = log_memory
         self.checkpoint_on_stop = checkpoint_on_stop

@@ -19,6 +19,7 @@ from tests.mpi_harness import clean_environ
 from tests.strategy.helpers import ONE_RANK_OPTION_JOB
 
 pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse (the test extra installs it)")
+yaml = pytest.importorskip("yaml", reason="jsonargparse reads and prints YAML with PyYAML")
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_cli.py"
 TIMEOUT = 240.0  # generous: every rank imports torch, Lightning and jsonargparse on a loaded 2-core machine
@@ -66,7 +67,9 @@ def test_a_sync_mode_by_name_and_a_compressor_by_class_path_at_three_ranks(tmp_p
         assert len(report["parameters"]) == 66 and all(abs(value) < 1e3 for value in report["parameters"])
 
 
-def test_the_printed_config_holds_the_strategy_and_its_defaults() -> None:
+def test_the_printed_config_holds_the_strategy_and_its_defaults_and_runs_as_given(tmp_path: Path) -> None:
+    """Each strategy argument once (the precision plugin under Lightning's name only), and the printed file is a
+    config the CLI takes back."""
     printed = subprocess.run(
         [sys.executable, str(SCRIPT), "fit", STRATEGY, "--trainer.strategy.shard=gradients", "--print_config"],
         capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=clean_environ(),
@@ -75,6 +78,11 @@ def test_the_printed_config_holds_the_strategy_and_its_defaults() -> None:
     config = printed.stdout
     assert "class_path: mpistrategy.strategy" in config and "MPIADStrategy" in config
     assert "shard: gradients" in config and "- SIGTERM" in config and "- SIGUSR1" in config
+    arguments = yaml.safe_load(config)["trainer"]["strategy"]["init_args"]
+    assert "precision_plugin" in arguments and "precision" not in arguments, sorted(arguments)
+    (tmp_path / "config.yaml").write_text(config)
+    ranks = _fit(tmp_path, 2, f"--config={tmp_path / 'config.yaml'}")
+    assert ranks[0]["shard"] == "gradients" and ranks[0]["parameters"] == ranks[1]["parameters"]
 
 
 def test_an_unknown_stop_signal_ends_every_rank_with_the_reason(tmp_path: Path) -> None:
