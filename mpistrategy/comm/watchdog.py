@@ -28,6 +28,10 @@ rank that starts a later batch, or ends its script, without having entered it ra
 report names the call, the rank and line that made it, and what the others did instead. A rank that waits
 elsewhere meanwhile (in the same batch) is found by the stall timeout, and the report names the call there too.
 
+When a rank raises, :func:`every_rank_raised` tells the others on the same channel and waits a few seconds to hear
+that they raised too, in step (the same number of collectives on every communicator of all ranks): then no rank
+waits for another, and the job need not be aborted (the next point of a sweep can run).
+
 A rank that ends its script waits at exit (an ``atexit`` hook that runs before ``MPI_Finalize``) until every rank
 has ended its own, its watchdog still answering: a rank that finished while another waits in a collective is named
 in the report as ended, and every rank exits by itself, instead of one sitting silent in ``MPI_Finalize`` until
@@ -65,7 +69,7 @@ ACTIONS = ("abort", "warn")
 
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
-_ALARM, _STATE, _WRITTEN, _DATA_END, _ENTERED = 1, 2, 3, 4, 5
+_ALARM, _STATE, _WRITTEN, _DATA_END, _ENTERED, _RAISED = 1, 2, 3, 4, 5, 6
 # How long a rank may wait in mpistrategy, knowing that a peer entered a call every rank must make, before it is
 # found to have gone on without the call (the collectives the peer had passed end within moments).
 _SKIP_GRACE = 5.0
@@ -235,6 +239,30 @@ class Watchdog:
             return None
         latest = max(self._started)
         return latest, self._started[latest]
+
+    def every_rank_raised(self, within: float) -> bool:
+        """Tell every other rank that this one raised, with its collective counts on the communicators of all
+        ranks, and wait at most ``within`` seconds for each to say the same: True once every rank has, with the same
+        counts (they are in step), False otherwise."""
+        everyone = tuple(range(self.size))
+        mine = sorted(
+            (calls.key(channel), n) for channel, n in calls.counts.items() if calls.members(channel) == everyone
+        )
+        message = pickle.dumps(mine)
+        for other in range(self.size):
+            if other != self.rank:
+                self._send(message, other, _RAISED)
+        heard: dict[int, Any] = {}
+        deadline = time.monotonic() + within
+        status = MPI.Status()
+        while len(heard) < self.size - 1 and time.monotonic() < deadline:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, _RAISED, status):
+                received = bytearray(status.Get_count(MPI.BYTE))
+                self.comm.Recv([received, MPI.BYTE], status.Get_source(), _RAISED)
+                heard[status.Get_source()] = pickle.loads(received)
+            else:
+                time.sleep(0.01)
+        return len(heard) == self.size - 1 and all(theirs == mine for theirs in heard.values())
 
     # ------------------------------------------------------------------------------------------------ detection
 
@@ -508,6 +536,14 @@ def entered_every_rank_call(name: str, advice: str) -> None:
     (``advice``: how to call it right); a rank that goes on without it is reported (see the module docstring)."""
     if _watchdog is not None:
         _watchdog.entered(name, advice)
+
+
+def every_rank_raised(within: float) -> bool:
+    """Whether every rank has raised too, in step, told within ``within`` seconds (see the module docstring); True
+    with one rank, False where the watchdog does not run."""
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return True
+    return _watchdog is not None and _watchdog.every_rank_raised(within)
 
 
 def training_batches(training_pass: tuple[int, int], batches: int, kind: str) -> None:

@@ -78,6 +78,9 @@ def _param_group_callback_problem(trainer: Any) -> ValueError | None:
     return None
 
 
+#: how long a rank that raised waits to hear that every rank raised too, before it aborts the job
+RAISED_TOGETHER_SECONDS = 3.0
+
 _fits = itertools.count()  # this process's fits, the same sequence on every rank (the watchdog's training passes)
 
 
@@ -420,9 +423,14 @@ class MPIADStrategyMixin(MPIStrategyBase):
     # -------------------------------------------------------------------------------------- failures
 
     def on_exception(self, exception: BaseException) -> None:
-        """Abort every rank (after printing the traceback) unless every rank raises the exception together (a
-        coordinated stop, a corrupt checkpoint, or a configuration error all ranks agreed on)."""
+        """Abort every rank (after printing the traceback) unless every rank raises an exception together: a
+        coordinated stop, a corrupt checkpoint or a configuration error all ranks agreed on, or an error every rank
+        raised in step within :data:`RAISED_TOGETHER_SECONDS` (an invalid hyperparameter of a sweep's point: the
+        ranks are free to run the next point)."""
         if failures.raised_on_every_rank(exception) or not self.abort_on_exception:
+            return
+        if watchdog.every_rank_raised(RAISED_TOGETHER_SECONDS):
+            failures.mark_raised_on_every_rank(exception)
             return
         failures.abort(exception)
 

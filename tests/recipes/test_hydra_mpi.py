@@ -82,6 +82,22 @@ def test_a_three_point_sweep_under_mpiexec_compares_its_points_and_lists_a_faile
     assert result.stdout.count("Launching 3 jobs locally") == 1  # Hydra's own messages: rank 0 only
 
 
+def test_a_sweep_point_failing_inside_fit_on_every_rank_is_listed_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    """Point 0 (a negative learning rate) raises in ``fit`` on every rank, in step: no abort; point 1 trains."""
+    command = [*mpiexec_command(), "-n", "2", *train_command(), "-m", "optimizer.lr=-0.1,0.1", *FAST]
+    result = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=420,
+        env=clean_env(MPISTRATEGY_LOG_DIR=str(tmp_path / "logs")),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-6000:]
+    assert "aborting all ranks" not in result.stderr + result.stdout
+    (sweep,) = (tmp_path / "logs" / "debug" / "multiruns").iterdir()
+    with (sweep / "comparison.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "failed"), ("1", "completed")]
+    assert rows[0]["error"] == "ValueError: Invalid learning rate: -0.1" and float(rows[1]["final"]) > 0
+
+
 @pytest.mark.parametrize("ranks", [2])
 def test_the_main_job_reaches_95_percent(tmp_path: Path, ranks: int) -> None:
     """The default job (no arguments) on 2 ranks: digits MLP, mpi_ad, >= 95 % validation accuracy.

@@ -49,6 +49,18 @@ def test_rank_raising_mid_epoch_ends_all_ranks() -> None:
     assert "in training_step" in output and "[mpistrategy] rank 1 of 3" in output
 
 
+def test_every_rank_raising_in_step_is_no_abort_and_the_ranks_train_on_together() -> None:
+    """Every rank raises at the same batch (a bad hyperparameter of a sweep's point): each rank gets its own error,
+    nothing is aborted, and a second fit in the same processes trains on every rank alike."""
+    code, output, _ = _run("raise_everywhere", tempfile.mkdtemp())
+    assert code == 0, output[-4000:]
+    raised = re.findall(r"RAISED rank=(\d) ValueError: every rank at batch 3", output)
+    assert sorted(raised) == ["0", "1", "2"], output[-4000:]
+    assert "aborting all ranks" not in output
+    second = re.findall(r"SECOND rank=(\d) step=3 weight=(\S+)", output)
+    assert sorted(rank for rank, _ in second) == ["0", "1", "2"] and len({w for _, w in second}) == 1, output[-4000:]
+
+
 def test_rank_calling_os_exit_ends_all_ranks_and_says_which_rank_and_code() -> None:
     code, output, ended = _run("os_exit", tempfile.mkdtemp())
     assert code != 0

@@ -4,7 +4,8 @@ Usage: mpiexec -n 3 python failing_job.py MODE DIRECTORY
 
 MODE: raise (rank 1 raises in training_step), kill (rank 1 SIGKILLs itself), os_exit (rank 1 calls os._exit(3)),
 os_exit_0 (rank 1 calls os._exit(0)), sigterm_sanity (rank 1 sends itself SIGTERM in the sanity check's validation),
-raise_outside (rank 1 raises after fit while the others wait in a barrier), usr1 (rank 1 sends itself SIGUSR1),
+raise_outside (rank 1 raises after fit while the others wait in a barrier), raise_everywhere (every rank raises in
+training_step at the same batch, then fits again in the same process), usr1 (rank 1 sends itself SIGUSR1),
 pids (every rank writes its pid to DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue
 from the stop checkpoint), corrupt (resume from DIRECTORY/hpc_ckpt_1.ckpt after rank 0 cut it short).
 """
@@ -39,6 +40,9 @@ class Job(L.LightningModule):
         self.net = nn.Linear(4, 1)
 
     def training_step(self, batch, batch_idx):
+        if MODE == "raise_everywhere" and batch_idx == TRIGGER_BATCH and self.trainer.max_steps > 10:
+            mark("FAILING")
+            raise ValueError(f"every rank at batch {batch_idx}")
         if RANK == 1 and batch_idx == TRIGGER_BATCH and self.current_epoch == 0:
             if MODE == "raise":
                 mark("FAILING")
@@ -92,9 +96,16 @@ try:
     trainer.fit(Job(), DataLoader(data, batch_size=8), validation, ckpt_path=resume)
 except Exception as error:  # one line per rank (tracebacks of several ranks interleave in the job's output)
     print(f"RAISED rank={RANK} {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
-    raise
+    if MODE != "raise_everywhere":
+        raise
 finally:
     print(f"STOPPED rank={RANK} global_step={trainer.global_step}", flush=True)
+if MODE == "raise_everywhere":  # the ranks are still in step: a second fit trains together
+    again = L.Trainer(strategy="mpi_ad", accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    model = Job()
+    again.fit(model, DataLoader(data, batch_size=8))
+    print(f"SECOND rank={RANK} step={again.global_step} weight={model.net.weight.sum().item():.10f}", flush=True)
 if MODE == "raise_outside":
     if RANK == 1:
         mark("FAILING")
