@@ -321,12 +321,14 @@ class MPIStrategyBase:
     # -------------------------------------------------------------------------------------- stop signals
 
     def _install_stop_signals(self) -> None:
-        """Take over the stop signals (idempotent); :meth:`_decide_stop` then turns them into one decision."""
+        """Take over the stop signals (idempotent); :meth:`_decide_stop` then turns them into one decision. Once the
+        script ends they are ignored (:func:`~mpistrategy.strategy.failures.ignore_at_exit`)."""
         if not self._stop_signal_numbers:
             return
         if self._stop is None:
             self._stop = failures.StopSignals(self._stop_signal_numbers, self.topology.control)
         self._stop.install()
+        failures.ignore_at_exit(self._stop_signal_numbers)
 
     def _decide_stop(self) -> int:
         """Collective, at the same point on every rank: the stop signal some rank received (0: none)."""

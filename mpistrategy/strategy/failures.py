@@ -27,6 +27,7 @@ checkpoint, resume me" (75) from "finished" (0) and "failed" (anything else).
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -222,6 +223,26 @@ def signal_numbers(signals: Iterable[int | str] | None) -> tuple[int, ...]:
             )
         numbers.append(number)
     return tuple(numbers)
+
+
+_ignored_at_exit: set[int] = set()
+
+
+def ignore_at_exit(signals: Iterable[int]) -> None:
+    """Ignore ``signals`` from the moment the script ends: a stop signal that reaches a job taking its seconds to
+    exit after it finished (SLURM's ``--signal`` lead time running out then) or stopped after its checkpoint must
+    not turn the exit code into 128 + the signal (SLURM would call the finished job FAILED). Python gives its
+    handlers back to the default action while it shuts down, but leaves ignored signals ignored. Registered at the
+    first call, after mpi4py's and the watchdog's exit hooks, so that it runs before them."""
+    if not _ignored_at_exit:
+        atexit.register(_ignore_stop_signals)
+    _ignored_at_exit.update(signals)
+
+
+def _ignore_stop_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for signum in _ignored_at_exit:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 class StopSignals:

@@ -61,6 +61,15 @@ def test_every_rank_raising_in_step_is_no_abort_and_the_ranks_train_on_together(
     assert sorted(rank for rank, _ in second) == ["0", "1", "2"] and len({w for _, w in second}) == 1, output[-4000:]
 
 
+def test_stop_signals_reaching_a_finished_job_while_it_exits_leave_its_exit_code_zero() -> None:
+    """SLURM's lead signal may come while a job that finished takes its seconds to exit (MPI's finalisation, the
+    interpreter's shutdown, where Python gives its handlers back to the default action): ignored, exit code 0."""
+    code, output, _ = _run("signal_at_exit", tempfile.mkdtemp())
+    assert code == 0, output[-4000:]
+    assert sorted(re.findall(r"AT EXIT rank=(\d) ignored=True", output)) == ["0", "1", "2"], output[-4000:]
+    assert sorted(re.findall(r"SURVIVED rank=(\d)", output)) == ["0", "1", "2"], output[-4000:]
+
+
 def test_rank_calling_os_exit_ends_all_ranks_and_says_which_rank_and_code() -> None:
     code, output, ended = _run("os_exit", tempfile.mkdtemp())
     assert code != 0

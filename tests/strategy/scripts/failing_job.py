@@ -5,13 +5,15 @@ Usage: mpiexec -n 3 python failing_job.py MODE DIRECTORY
 MODE: raise (rank 1 raises in training_step), kill (rank 1 SIGKILLs itself), os_exit (rank 1 calls os._exit(3)),
 os_exit_0 (rank 1 calls os._exit(0)), sigterm_sanity (rank 1 sends itself SIGTERM in the sanity check's validation),
 raise_outside (rank 1 raises after fit while the others wait in a barrier), raise_everywhere (every rank raises in
-training_step at the same batch, then fits again in the same process), usr1 (rank 1 sends itself SIGUSR1),
+training_step at the same batch, then fits again in the same process), signal_at_exit (after a short fit, each rank
+sends itself SIGUSR1 and SIGTERM from an exit hook that runs after mpistrategy's), usr1 (rank 1 sends itself SIGUSR1),
 pids (every rank writes its pid to DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue
 from the stop checkpoint), corrupt (resume from DIRECTORY/hpc_ckpt_1.ckpt after rank 0 cut it short).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -73,6 +75,18 @@ class Job(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+if MODE == "signal_at_exit":  # registered before fit: runs after the exit hooks mpistrategy registers in fit
+
+    @atexit.register
+    def _signalled_while_exiting() -> None:
+        ignored = all(signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGUSR1, signal.SIGTERM))
+        print(f"AT EXIT rank={RANK} ignored={ignored}", flush=True)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        print(f"SURVIVED rank={RANK}", flush=True)
+
+
 if MODE == "corrupt" and RANK == 0:
     checkpoint = os.path.join(DIRECTORY, "hpc_ckpt_1.ckpt")
     os.truncate(checkpoint, os.path.getsize(checkpoint) - 100)
@@ -82,7 +96,7 @@ data = TensorDataset(torch.randn(3 * 8 * 50, 4))
 trainer = L.Trainer(
     strategy="mpi_ad",
     accelerator="cpu",
-    max_steps={"resume": 30, "raise_outside": 5}.get(MODE, 100_000),
+    max_steps={"resume": 30, "raise_outside": 5, "signal_at_exit": 5}.get(MODE, 100_000),
     max_epochs=-1,
     logger=False,
     enable_progress_bar=False,
