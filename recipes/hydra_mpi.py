@@ -143,14 +143,24 @@ class RankFileHandler(logging.Handler):
 
 
 def quiet_other_ranks() -> None:
-    """On ranks other than 0, make Hydra's basic sweeper skip writing ``<sweep dir>/multirun.yaml``.
+    """On ranks other than 0, make Hydra's basic sweeper skip writing ``<sweep dir>/multirun.yaml``, and a failed
+    job's result skip its "Error executing job with overrides" line (rank 0 prints it once).
 
     The sweeper calls ``OmegaConf.save`` through its module's ``OmegaConf`` name; only that name is replaced, by a
-    subclass whose ``save`` does nothing. Every rank still runs the same jobs in the same order.
+    subclass whose ``save`` does nothing. A job's result raises its error as before, without the line. Every rank
+    still runs the same jobs in the same order.
     """
     if rank() == 0:
         return
     from hydra._internal.core_plugins import basic_sweeper
+    from hydra.core.utils import JobReturn, JobStatus
+
+    def quiet_return_value(job: JobReturn) -> Any:
+        if job.status == JobStatus.COMPLETED:
+            return job._return_value
+        raise job._return_value
+
+    JobReturn.return_value = property(quiet_return_value, JobReturn.return_value.fset)  # type: ignore[method-assign,assignment]
 
     class _NoSave(OmegaConf):
         @staticmethod

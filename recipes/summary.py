@@ -252,10 +252,12 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def write_status(job_dir: str | Path, overrides: list[str], state: str, error: BaseException | None = None) -> None:
-    """``<job_dir>/status.json``: ``state`` (``started``, ``completed`` or ``failed``; with ``error``'s first
-    line)."""
+    """``<job_dir>/status.json``: ``state`` (``started``, ``completed`` or ``failed``; with the first line of the
+    error that caused ``error``: Hydra's ``InstantiationException`` only says which target failed)."""
     status: dict[str, Any] = {"status": state, "overrides": list(overrides)}
     if error is not None:
+        while error.__cause__ is not None:
+            error = error.__cause__
         lines = str(error).strip().splitlines()
         status["error"] = f"{type(error).__name__}: {lines[0] if lines else ''}"
     job_dir = Path(job_dir)

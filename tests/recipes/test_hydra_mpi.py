@@ -91,6 +91,7 @@ def test_a_sweep_point_failing_inside_fit_on_every_rank_is_listed_and_the_sweep_
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-6000:]
     assert "aborting all ranks" not in result.stderr + result.stdout
+    assert (result.stderr + result.stdout).count("Error executing job with overrides") == 1  # rank 0 only
     (sweep,) = (tmp_path / "logs" / "debug" / "multiruns").iterdir()
     with (sweep / "comparison.csv").open() as handle:
         rows = list(csv.DictReader(handle))

@@ -34,3 +34,18 @@ def test_a_point_that_failed_or_did_not_end_is_listed_without_values(tmp_path: P
     ]
     assert rows[1]["error"] == "ValueError: model.hidden=-3 is negative"
     assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_point_names_the_error_that_caused_it(tmp_path: Path) -> None:
+    """Hydra's ``InstantiationException`` only names the target that failed; the status names the cause."""
+    from hydra.errors import InstantiationException
+
+    try:
+        try:
+            raise ValueError("period=0 must be an integer >= 1\nsecond line")
+        except ValueError as cause:
+            raise InstantiationException("Error in call to target 'recipes.builders.mpi_ad_strategy':\n...") from cause
+    except InstantiationException as error:
+        write_status(tmp_path / "0", ["strategy.period=0"], FAILED, error)
+    status = json.loads((tmp_path / "0" / "status.json").read_text())
+    assert status["error"] == "ValueError: period=0 must be an integer >= 1"
