@@ -1,5 +1,6 @@
 """SyncBatchNorm on N ranks equals BatchNorm on one process with the concatenated batch: outputs, gradients
-(through the differentiable allreduce) and running statistics; and Trainer(sync_batchnorm=True) uses it."""
+(through the differentiable allgather) and running statistics, also for data whose mean is large against its
+spread; a bad input on one rank raises on every rank; and Trainer(sync_batchnorm=True) uses it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from mpistrategy import CommunicationError
 from mpistrategy.nn import SyncBatchNorm
 from tests.strategy.helpers import COMM, RANK, SIZE, Regressor, epoch_order, loader, mlp, regression_data, trainer
 
@@ -59,6 +61,68 @@ def test_forward_backward_and_running_stats_match_full_batch(shape: tuple[int, .
     torch.testing.assert_close(sync(x.detach()), reference(x.detach()))
     reverted = SyncBatchNorm.revert_sync_batchnorm(sync)
     assert type(reverted) is bn_type and reverted.weight is sync.weight
+
+
+@pytest.mark.mpi(ranks=(1, 2, 3), timeout=60)
+@pytest.mark.parametrize("offset", [1e6, 1e8])
+def test_large_mean_keeps_precision(offset: float) -> None:
+    # std 1 around a mean of 1e6 or 1e8: E[x^2] - mean^2 would lose 3-4 or all 16 digits of the variance
+    sizes = [7, 2, 0][:SIZE]  # uneven, and at 3 ranks one rank with an empty batch
+    g = torch.Generator().manual_seed(3)
+    full_x = torch.randn(sum(sizes), 3, generator=g, dtype=torch.float64) + offset
+    full_w = torch.randn(sum(sizes), 3, generator=g, dtype=torch.float64)
+    reference = nn.BatchNorm1d(3, momentum=0.5, dtype=torch.float64)
+    sync = SyncBatchNorm(3, momentum=0.5, dtype=torch.float64)
+    with torch.no_grad():
+        reference.weight.copy_(torch.tensor([0.5, 1.0, 2.0]))
+        reference.bias.copy_(torch.tensor([-1.0, 0.0, 1.0]))
+    sync.load_state_dict(reference.state_dict())
+
+    x_full = full_x.clone().requires_grad_(True)
+    expected = reference(x_full)
+    (expected * full_w).sum().backward()
+    x = _split(full_x, sizes).clone().requires_grad_(True)
+    out = sync(x)
+    (out * _split(full_w, sizes)).sum().backward()
+
+    tight = {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(out, _split(expected.detach(), sizes), **tight)
+    torch.testing.assert_close(x.grad, _split(x_full.grad, sizes), **tight)
+    torch.testing.assert_close(sum(COMM.allgather(sync.weight.grad)), reference.weight.grad, **tight)
+    torch.testing.assert_close(sum(COMM.allgather(sync.bias.grad)), reference.bias.grad, **tight)
+    torch.testing.assert_close(sync.running_mean, reference.running_mean, rtol=1e-12, atol=0)
+    torch.testing.assert_close(sync.running_var, reference.running_var, **tight)
+    # every rank combined the same gathered statistics alike: the same bits everywhere
+    assert all(torch.equal(var, sync.running_var) for var in COMM.allgather(sync.running_var))
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=30)
+@pytest.mark.parametrize(
+    ("bad_shape", "problem"),
+    [((2, 4, 5), r"expected 3 channels, got input of shape \(2, 4, 5\)"), ((3,), "at least 2 dimensions")],
+    ids=["channels", "dimensions"],
+)
+def test_bad_input_on_one_rank_raises_on_every_rank(bad_shape: tuple[int, ...], problem: str) -> None:
+    culprit = 1
+    sync = SyncBatchNorm(3, dtype=torch.float64)
+    before = {key: value.clone() for key, value in sync.state_dict().items()}
+    x = torch.randn(bad_shape if RANK == culprit else (2, 3, 5), dtype=torch.float64)
+    if RANK == culprit:
+        with pytest.raises(ValueError, match=problem):
+            sync(x)
+    else:
+        with pytest.raises(CommunicationError, match=f"rank {culprit} failed the argument checks.*{problem}"):
+            sync(x)
+    for key, value in sync.state_dict().items():  # no rank counted the batch or moved its running statistics
+        assert torch.equal(value, before[key]), key
+
+    # the ranks are still in step: a correct forward on every rank matches batch norm on the whole batch
+    g = torch.Generator().manual_seed(5)
+    full_x = torch.randn(2 * SIZE, 3, 4, generator=g, dtype=torch.float64) * 2 + 3
+    reference = nn.BatchNorm1d(3, dtype=torch.float64)
+    torch.testing.assert_close(sync(_split(full_x, [2] * SIZE)), _split(reference(full_x), [2] * SIZE).detach())
+    torch.testing.assert_close(sync.running_var, reference.running_var)
+    assert int(sync.num_batches_tracked) == 1
 
 
 class _Watch(L.Callback):
