@@ -3,7 +3,8 @@
 Rank s cuts its tensor along ``dim`` into one block per destination; rank r receives block r of every rank,
 concatenated in rank order: ``y_r = cat_s x_s[block r]``. Adjoint (objective = sum of every rank's loss, as in
 every mpistrategy backward): ``dL/dx_s[block r] = g_r[block s]``, an all-to-all of the cotangents with the send and
-receive sizes swapped. Data moves bit for bit whatever the dtype; forward and backward messages travel on distinct
+receive sizes swapped. Data moves bit for bit in every dtype the package communicates (the list in
+:mod:`.gather`; other dtypes raise a ``TypeError`` on every rank); forward and backward messages travel on distinct
 duplicates of the communicator.
 """
 

@@ -12,8 +12,11 @@ Rank r owns block r along ``dim``, ``sizes[r]`` long (the plain variants need eq
   gradient.
 - allgather: ``y_r = cat_s x_s`` on every rank; ``dL/dx_r = sum_s g_s[block r]`` (a reduce-scatter sum).
 
-Every op returns a new tensor; data moves bit for bit, whatever the dtype. The forward and backward messages
-travel on distinct duplicates of the communicator.
+Every op returns a new tensor (``allgather`` writes into ``out=`` when given, also when this rank's tensor is a
+block of it). Data moves bit for bit in every dtype the package communicates (float32, float64, float16, bfloat16,
+int8, int16, int32, int64, uint8, bool, complex64, complex128); other dtypes (uint16/32/64, float8, complex32)
+raise a ``TypeError`` that lists these, on every rank. The forward and backward messages travel on distinct
+duplicates of the communicator.
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ each rank's own loss, and ``g_r = dL_r/dy_r`` is rank r's cotangent of the op's 
 
 - allreduce sum, ``y = sum_r x_r`` on every rank: ``dL/dx_r = sum_s g_s`` (an allreduce sum of the cotangents).
 - allreduce avg, ``y = (1/P) sum_r x_r``: ``dL/dx_r = (1/P) sum_s g_s`` (an allreduce avg).
-- allreduce max/min: ``dL/dx_r = [r owns the extremum] * sum_s g_s`` elementwise. Where several ranks hold the
-  same extreme value (a tie), the lowest of those ranks owns it and the others get zero.
+- allreduce max/min: ``y = max_r x_r`` (``min_r``) elementwise, NaN-propagating as ``torch.maximum``: a NaN on any
+  rank makes the element NaN (of two NaNs the one with the larger bit pattern, and ``-0.0 < +0.0``, so every
+  rank gets the same bits; see :func:`mpistrategy.comm.buffers.mpi_op`). ``dL/dx_r = [r owns y] * sum_s g_s``
+  elementwise, where r owns an element when its ``x_r`` equals ``y`` there or both are NaN; where several ranks
+  own it (a tie, or NaNs on several ranks), the lowest of them gets the gradient and the others zero.
 - allreduce prod, ``y = prod_s x_s``: ``dL/dx_r = (sum_s g_s) * conj(prod_{s != r} x_s)``, the product of the other
   ranks' inputs computed by two scans, without dividing, so zeros get the exact gradient (see :mod:`._product`).
 - reduce to ``root`` (sum): ``y_root = sum_r x_r``; ``dL/dx_r = g_root`` (a broadcast from the root); avg scales
@@ -54,6 +57,7 @@ from mpistrategy.comm.buffers import (
     mpi_op,
     off_wire,
     on_wire,
+    overlaps,
     receive_buffer,
     reduction_dtype,
     same_memory,
@@ -77,6 +81,14 @@ def _complete(result: torch.Tensor, op: str, size: int) -> None:
         to_mean(result, size)
     elif size == 1 and op in LOGICAL_OPS and result.dtype != torch.bool:
         result.copy_(result != 0)
+
+
+def _apart(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``tensor``, or a copy of it when it overlaps ``out`` without being the same elements: MPI's send and receive
+    buffers must be one buffer (``MPI_IN_PLACE``) or disjoint, and torch refuses to copy between overlapping ones."""
+    if out is not None and overlaps(tensor, out) and not same_memory(tensor, out):
+        return tensor.clone()
+    return tensor
 
 
 def _allreduce_buffers(
@@ -110,7 +122,8 @@ def _allreduce(
 ) -> torch.Tensor:
     """Blocking ``MPI_Allreduce`` of ``tensor`` on ``channel`` (``size`` ranks), or the shared-memory allreduce
     where it applies; the result goes to ``out`` when given (in place when ``out`` is ``tensor``'s own memory),
-    else to a new tensor."""
+    else to a new tensor; an input that partly overlaps ``out`` is copied first."""
+    tensor = _apart(tensor, out)
     group = group_for(channel, tensor, op)
     if group is not None:
         return group.allreduce(tensor, op, out)
@@ -124,6 +137,7 @@ def _start_allreduce(
 ) -> Pending | SharedWork:
     """Non-blocking :func:`_allreduce`: ``MPI_Iallreduce`` posted (or the shared-memory allreduce started), and
     what completes it."""
+    tensor = _apart(tensor, out)
     group = group_for(channel, tensor, op)
     if group is not None:
         return group.start(tensor, op, out)
@@ -153,7 +167,8 @@ class _Allreduce(CollectiveFunction):
         if ctx.op in ("sum", "avg"):
             return _reduced_cotangents(grad, ctx.op, comm), None, None
         tensor, result = ctx.saved_tensors
-        candidate = torch.where(tensor == result, comm.rank, comm.size).to(torch.int32)
+        owns = (tensor == result) | (tensor.isnan() & result.isnan())
+        candidate = torch.where(owns, comm.rank, comm.size).to(torch.int32)
         owner = _allreduce(candidate, "min", comm.backward, comm.size)
         total = _reduced_cotangents(grad, "sum", comm)
         return torch.where(owner == comm.rank, total, torch.zeros_like(total)), None, None
@@ -210,11 +225,16 @@ def allreduce(
             bitwise ``"band"``, ``"bor"``, ``"bxor"``.
         comm: an mpi4py communicator or :class:`Communicator` (default: the world).
         out: a tensor of the same shape and dtype to write the result into and return (no new allocation;
-            ``out=tensor`` reduces in place). Only outside autograd: under ``torch.no_grad()`` or for a
-            ``tensor`` that does not require grad.
+            ``out=tensor`` reduces in place; an ``out`` that partly overlaps ``tensor`` gets the result as if they
+            were apart, at the cost of a copy of ``tensor``). Only outside autograd: under ``torch.no_grad()`` or
+            for a ``tensor`` that does not require grad.
+
+    Max and min propagate NaN (a NaN on any rank makes the element NaN, as ``torch.maximum`` does) and give every
+    rank the same bits (of two NaNs the one with the larger bit pattern; ``-0.0 < +0.0``).
 
     Backward (objective = sum of every rank's loss): sum and avg apply the same allreduce to the cotangents;
-    max and min send the summed cotangent to the rank holding the extremum (the lowest such rank on ties); prod
+    max and min send the summed cotangent to the rank holding the extremum, or a NaN there (the lowest such rank
+    on ties or NaNs on several ranks); prod
     multiplies the summed cotangent by the conjugate product of the other ranks' inputs (exact with zeros).
     """
     comm = resolve(comm)
@@ -316,8 +336,10 @@ def _broadcast_from(
     """Blocking broadcast of ``tensor`` (significant at ``root`` only) on ``comm``, a raw MPI communicator.
 
     Receivers write into ``out`` when given; the root sends from ``tensor`` (and copies it into a distinct
-    ``out``).
+    ``out``; first into a buffer of its own when they partly overlap).
     """
+    if tensor is not None:
+        tensor = _apart(tensor, out)
     if tensor is None:
         buffer = receive_buffer(out, shape, dtype, device)
     elif out is tensor and host_ready(tensor):  # in place on the root
@@ -401,9 +423,16 @@ def _allgather_front(
     front: torch.Tensor, sizes: list[int], channel: MPI.Intracomm, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``MPI_Allgather(v)`` of blocks along the first dimension, block r having ``sizes[r]`` rows (into ``out``
-    when given)."""
+    when given).
+
+    A block that lies in ``out`` (``torch.distributed.all_gather_into_tensor(out, out.chunk(P)[rank])``, the
+    in-place gather of FSDP and ZeRO) is sent from a copy: ``MPI_IN_PLACE`` would have to be used by every rank or
+    none, and MPI refuses overlapping send and receive buffers.
+    """
     send = front if host_ready(front) else on_wire(front)
     result = receive_buffer(out, (sum(sizes), *send.shape[1:]), send.dtype, front.device)
+    if overlaps(send, result):
+        send = send.clone()
     send_buffer = mpi_buffer(send)
     if sizes.count(sizes[0]) == len(sizes):
         channel.Allgather(send_buffer, [mpi_buffer(result)[0], send_buffer[1], send_buffer[2]])

@@ -5,7 +5,8 @@ contiguous host tensors). Reductions use :func:`reduction_dtype` to decide in wh
 float16 and bfloat16 are reduced in float32 (never as integer bit patterns) and rounded once at the end.
 
 The reduction ops (:data:`REDUCE_OPS`): arithmetic ``sum``, ``avg`` and ``prod`` (numbers, not bool); ``max`` and
-``min`` (real numbers and bool, where they are logical or / and); logical ``land``, ``lor``, ``lxor`` and bitwise
+``min`` (real numbers and bool, where they are logical or / and; on floats they propagate NaN, as ``torch.maximum``
+does, and give the same bits on every rank: see :func:`mpi_op`); logical ``land``, ``lor``, ``lxor`` and bitwise
 ``band``, ``bor``, ``bxor`` (bool and integer tensors only: a logical op treats nonzero as true and gives 1 or 0 in
 the tensor's dtype, as ``MPI_LAND``; on bool the bitwise ops are the logical ones).
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -199,9 +202,57 @@ def to_mean(total: torch.Tensor, size: int) -> torch.Tensor:
     return total.mul_(1.0 / size)
 
 
+# The bit patterns of MPI.FLOAT and MPI.DOUBLE elements, by size in bytes, for the float max and min below.
+_FLOAT_BITS: dict[int, tuple[type[np.floating], type[np.unsignedinteger]]] = {
+    4: (np.float32, np.uint32),
+    8: (np.float64, np.uint64),
+}
+
+
+def _float_extremum(largest: bool) -> MPI.Op:
+    """The max (``largest``) or min of float32/float64 elements under a total order, as a commutative MPI op.
+
+    ``MPI_MAX`` compares with ``>``, which is false for a NaN, so MPI keeps or drops a NaN depending on the order
+    in which its algorithm combines the ranks (different on different ranks), and of ``-0.0`` and ``+0.0`` it keeps
+    either. Here NaN wins over every number, as with ``torch.maximum`` and ``torch.minimum``; of two NaNs the one
+    with the larger bit pattern wins, and ``-0.0 < +0.0``. A max or min under a total order is commutative and
+    associative bit for bit, so every order of combining gives every rank the same bits. ``np.maximum(a, b)``
+    already gives that result except where it returns its first argument (equal numbers, or two NaNs): those
+    elements, found as the ones where ``np.maximum(b, a)`` has other bits, are resolved by their bit patterns
+    (the larger for two NaNs; for ``±0`` the smaller, ``+0.0``, for max and the larger, ``-0.0``, for min).
+    """
+    pick = np.maximum if largest else np.minimum
+
+    def combine(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:  # mpi4py's buffers of MPI's memory
+        floats, bits = _FLOAT_BITS[datatype.Get_size()]
+        a, b = np.frombuffer(inbuf, floats), np.frombuffer(inoutbuf, floats)
+        swapped = pick(b, a)
+        pick(a, b, out=b)
+        ties = np.flatnonzero(b.view(bits) != swapped.view(bits))
+        if ties.size:
+            first, second = b.view(bits)[ties], swapped.view(bits)[ties]
+            chosen = np.maximum(first, second)
+            if largest:  # +0.0 has the smaller bit pattern of the zeros
+                chosen = np.where(np.isnan(b[ties]), chosen, np.minimum(first, second))
+            b.view(bits)[ties] = chosen
+
+    return MPI.Op.Create(combine, commute=True)
+
+
+_FLOAT_EXTREMA: dict[str, MPI.Op] = {"max": _float_extremum(True), "min": _float_extremum(False)}
+
+
 def mpi_op(dtype: torch.dtype, op: str) -> MPI.Op:
-    """The MPI operation for the reduction ``op`` on tensors of ``dtype`` (already in reduction dtype)."""
-    return _BOOL_OPS[op] if dtype == torch.bool else REDUCE_OPS[op]
+    """The MPI operation for the reduction ``op`` on tensors of ``dtype`` (already in reduction dtype).
+
+    Float max and min are user-defined ops that propagate NaN and give the same bits on every rank (see
+    :func:`_float_extremum`); every other op is MPI's own.
+    """
+    if dtype == torch.bool:
+        return _BOOL_OPS[op]
+    if dtype.is_floating_point and op in _FLOAT_EXTREMA:
+        return _FLOAT_EXTREMA[op]
+    return REDUCE_OPS[op]
 
 
 # The MPI operation for each (dtype, op) that MPI reduces in the tensor's own dtype (no float32 detour).
@@ -370,6 +421,20 @@ def deliver(
             raise _out_mismatch(out, result.shape, dtype, what)
         out.copy_(result)
     return out
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory: the address ranges their elements span intersect (conservative:
+    interleaved strided views that share no element count as overlapping too)."""
+    if not a.numel() or not b.numel() or a.device != b.device:
+        return False
+    return a.data_ptr() < _end(b) and b.data_ptr() < _end(a)
+
+
+def _end(tensor: torch.Tensor) -> int:
+    """The address one past the last byte of ``tensor``'s elements (non-empty; torch's strides are >= 0)."""
+    span = sum((length - 1) * stride for length, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr() + (span + 1) * tensor.element_size()
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -113,3 +113,36 @@ def test_out_of_the_wrong_shape_or_dtype_raises() -> None:
     with pytest.raises(TypeError, match="out= must be a torch.Tensor"):
         ms.allgather(x, out=[0.0] * 4)
     assert torch.equal(ms.allreduce(x), torch.full((4,), float(size())))  # the ranks are still in step
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["allreduce", "iallreduce"])
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_allreduce_into_an_out_that_partly_overlaps_the_input(op: str, blocking: bool) -> None:
+    """out=buf[1:] for the input buf[:6]: MPI must not see overlapping buffers (MPICH aborts the job)."""
+    buffer = torch.arange(7.0, dtype=torch.float64) + rank()
+    x, out = buffer[:6], buffer[1:]
+    inputs = torch.stack(gather_reference(x))
+    expected = inputs.sum(0) if op == "sum" else inputs.amax(0)
+    result = ms.allreduce(x, op, out=out) if blocking else ms.iallreduce(x, "sum", out=out).wait()
+    assert result is out
+    _assert_close(out, expected if blocking else inputs.sum(0))
+    assert buffer[0] == rank()  # outside out: untouched
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_allgather_in_place_from_this_ranks_block_of_out(dim: int) -> None:
+    """torch.distributed.all_gather_into_tensor(out, out.chunk(P)[rank]), as FSDP and ZeRO gather parameters."""
+    out = torch.zeros(2 * size(), 3).movedim(0, dim).contiguous()
+    x = out.chunk(size(), dim)[rank()]
+    x.copy_(strided(tuple(x.shape), seed=9, dtype=torch.float32))
+    expected = torch.cat(gather_reference(x), dim)
+    assert ms.allgather(x, dim, out=out) is out
+    assert torch.equal(out, expected)  # on one rank, x is all of out
+
+
+def test_broadcast_root_into_an_out_that_partly_overlaps_its_tensor() -> None:
+    root = size() - 1
+    buffer = torch.arange(7.0)
+    tensor, out = (buffer[:6], buffer[1:]) if rank() == root else (None, torch.empty(6))
+    assert ms.broadcast(tensor, root=root, out=out) is out
+    assert torch.equal(out, torch.arange(6.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import threading
 
 import pytest
@@ -420,3 +421,62 @@ def test_logical_and_bitwise_ops_match_torch(op: str) -> None:
                 assert out.dtype == dtype and not out.requires_grad and torch.equal(out, expected), (variant, dtype)
     in_place = x.clone()
     assert ms.iallreduce(in_place, op, out=in_place).wait() is in_place and torch.equal(in_place, total)
+
+
+_BITS = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _nan(bits: int) -> float:
+    """The float64 NaN with bit pattern ``bits`` (sign and payload chosen by the caller)."""
+    return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+def _nan_and_zero_ties(dtype: torch.dtype) -> torch.Tensor:
+    """Per-rank values where MPI_MAX/MPI_MIN depend on the order of combining: a NaN on rank 0 only, on the last
+    rank only, on every rank (payload and sign differing per rank), -0.0 or +0.0 by the parity of the rank."""
+    r, last = rank(), size() - 1
+    values = [
+        float("nan") if r == 0 else 1.0 + r,
+        float("nan") if r == last else -1.0 - r,
+        _nan(0x7FF8000000000000 + (r << 40) + (r % 2 << 63)),
+        -0.0 if r % 2 == 0 else 0.0,
+        float(r),
+    ]
+    return torch.tensor(values, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(_BITS), ids=str)
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_allreduce_max_min_propagate_nan_with_the_same_bits_on_every_rank(op: str, dtype: torch.dtype) -> None:
+    out = ms.allreduce(_nan_and_zero_ties(dtype), op)
+    bits = gather_reference(out.view(_BITS[dtype]))
+    assert all(torch.equal(b, bits[0]) for b in bits), f"ranks differ: {[b.tolist() for b in bits]}"
+    inputs = _stacked(_nan_and_zero_ties(dtype))
+    expected = inputs.amax(0) if op == "max" else inputs.amin(0)  # NaN-propagating, as with one rank
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    zero_sign = 1.0 if (op == "max" and size() > 1) else -1.0  # -0.0 < +0.0; rank 0 alone holds -0.0
+    assert math.copysign(1.0, float(out[3])) == zero_sign
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_allreduce_max_min_gradient_of_a_nan_goes_to_the_lowest_rank_holding_one(op: str) -> None:
+    x = _nan_and_zero_ties(torch.float64).requires_grad_(True)
+    y = random_like_rank((5,), seed=5)
+    ms.allreduce(x, op).backward(y)
+    inputs, cotangents = _stacked(x.detach()), _stacked(y)
+    extreme = inputs.amax(0) if op == "max" else inputs.amin(0)
+    holds = (inputs == extreme) | (inputs.isnan() & extreme.isnan())
+    owner = holds.int().argmax(0)  # the lowest rank holding the extremum, or a NaN where the result is NaN
+    expected = torch.where(owner == rank(), cotangents.sum(0), torch.zeros(5, dtype=torch.float64))
+    _assert_close(x.grad, expected)
+    # The dot-product test of the linearisation: J v takes each element from its owner's tangent v_owner.
+    v = random_like_rank((5,), seed=6)
+    tangent = _stacked(v).gather(0, owner.unsqueeze(0)).squeeze(0)
+    lhs = float((cotangents.sum(0) * tangent).sum())
+    rhs = COMM.allreduce(float((x.grad * v).sum()))
+    assert math.isclose(lhs, rhs, rel_tol=1e-12, abs_tol=1e-12)
