@@ -214,8 +214,6 @@ class Watchdog:
         if _timeout <= 0:
             return
         message = pickle.dumps((self.rank, training_pass, batches, kind))
-        with self._sends_lock:
-            self._sends = [request for request in self._sends if not request.Test()]
         for other in range(self.size):
             if other != self.rank:
                 self._send(message, other, _DATA_END)
@@ -395,7 +393,8 @@ class Watchdog:
             request = self.comm.Isend([message, MPI.BYTE], dest, tag)
         except MPI.Exception:  # a rank that is gone cannot be told
             return
-        with self._sends_lock:
+        with self._sends_lock:  # the sends still in flight (those done are forgotten)
+            self._sends = [sent for sent in self._sends if not sent.Test()]
             self._sends.append(request)
 
     # --------------------------------------------------------------------------------------------------- report

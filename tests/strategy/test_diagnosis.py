@@ -45,6 +45,7 @@ def _stack_of(output: str, rank: int) -> str:
 
 
 def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Path) -> None:
+    """The gradient sync's check finds the ranks at different batches and raises on every rank together."""
     code, output = _run("trainer", "skip_backward", "flat", 2, tmp_path)
     assert code == 1, output[-4000:]
     site = re.escape(_line_of("manual backward"))
@@ -53,7 +54,7 @@ def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Pa
         rf"\S*{site}; rank 1: gradient sync\(training batch=2\) at \S*{site}\)"
     )
     assert re.search(message, output), output[-4000:]
-    assert output.count("raised an exception; aborting all ranks") >= 1
+    assert "aborting all ranks" not in output  # every rank raised it in step: each exits with its own error
 
 
 def _uneven_report(output: str, rank: int) -> str:
