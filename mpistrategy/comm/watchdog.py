@@ -213,10 +213,7 @@ class Watchdog:
         _keep_recent(self._own_counts)
         if _timeout <= 0:
             return
-        message = pickle.dumps((self.rank, training_pass, batches, kind))
-        for other in range(self.size):
-            if other != self.rank:
-                self._send(message, other, _DATA_END)
+        self._tell_others((self.rank, training_pass, batches, kind), _DATA_END)
 
     def entered(self, name: str, advice: str) -> None:
         """This rank has entered ``name``, a call every rank must make (``advice``: how to call it right); tells
@@ -226,10 +223,7 @@ class Watchdog:
             return
         file, line = calls.call_site()
         entry = {"rank": self.rank, "name": name, "count": count, "advice": advice, "at": self._position()}
-        message = pickle.dumps({**entry, "site": f"{calls.short_path(file)}:{line}"})
-        for other in range(self.size):
-            if other != self.rank:
-                self._send(message, other, _ENTERED)
+        self._tell_others({**entry, "site": f"{calls.short_path(file)}:{line}"}, _ENTERED)
 
     def _position(self) -> tuple[tuple[int, int], int] | None:
         """This rank's latest training pass and the batch of it started last (``None``: none started)."""
@@ -246,19 +240,13 @@ class Watchdog:
         mine = sorted(
             (calls.key(channel), n) for channel, n in calls.counts.items() if calls.members(channel) == everyone
         )
-        message = pickle.dumps(mine)
-        for other in range(self.size):
-            if other != self.rank:
-                self._send(message, other, _RAISED)
+        self._tell_others(mine, _RAISED)
         heard: dict[int, Any] = {}
         deadline = time.monotonic() + within
-        status = MPI.Status()
         while len(heard) < self.size - 1 and time.monotonic() < deadline:
-            if self.comm.Iprobe(MPI.ANY_SOURCE, _RAISED, status):
-                received = bytearray(status.Get_count(MPI.BYTE))
-                self.comm.Recv([received, MPI.BYTE], status.Get_source(), _RAISED)
-                heard[status.Get_source()] = pickle.loads(received)
-            else:
+            arrived = self._arrived(_RAISED)
+            heard.update(arrived)
+            if not arrived:
                 time.sleep(0.01)
         return len(heard) == self.size - 1 and all(theirs == mine for theirs in heard.values())
 
@@ -303,11 +291,7 @@ class Watchdog:
         """The alarm of a rank whose batches in a training pass cannot match a peer's (sent to every rank), else
         ``None``; once. Counts of one kind are compared (a planned count is only the most the loop runs: a stream
         capped by ``limit_train_batches`` may end before it), and no rank may start a batch beyond a peer's count."""
-        status = MPI.Status()
-        while self.comm.Iprobe(MPI.ANY_SOURCE, _DATA_END, status):
-            message = bytearray(status.Get_count(MPI.BYTE))
-            self.comm.Recv([message, MPI.BYTE], status.Get_source(), _DATA_END)
-            rank, training_pass, batches, kind = pickle.loads(message)
+        for _, (rank, training_pass, batches, kind) in self._arrived(_DATA_END):
             self._counts.setdefault(training_pass, {}).setdefault(rank, {})[kind] = batches
             _keep_recent(self._counts)
         if self._uneven_reported:
@@ -332,11 +316,8 @@ class Watchdog:
         rank), else ``None``; once. Went on: started a later batch, ended its script, or has waited in mpistrategy
         (since ``since``) for :data:`_SKIP_GRACE` seconds with the peer's entry known as long (the peer is in the
         call and no longer in any collective this rank waits in: those it has passed end within moments)."""
-        status = MPI.Status()
-        while self.comm.Iprobe(MPI.ANY_SOURCE, _ENTERED, status):
-            message = bytearray(status.Get_count(MPI.BYTE))
-            self.comm.Recv([message, MPI.BYTE], status.Get_source(), _ENTERED)
-            self._unmatched.append({**pickle.loads(message), "received": time.time()})
+        for _, entry in self._arrived(_ENTERED):
+            self._unmatched.append({**entry, "received": time.time()})
         self._unmatched = [e for e in self._unmatched if self._entered.get(e["name"], 0) < e["count"]]
         if self._skip_reported:
             return None
@@ -371,22 +352,33 @@ class Watchdog:
             "last": _call_state(calls.last),
             **cause,
         }
-        message = pickle.dumps(alarm)
-        for other in range(self.size):
-            if other != self.rank:
-                self._send(message, other, _ALARM)
+        self._tell_others(alarm, _ALARM)
         return alarm
 
     def _received_alarm(self) -> dict[str, Any] | None:
         alarm = None
-        status = MPI.Status()
-        while self.comm.Iprobe(MPI.ANY_SOURCE, _ALARM, status):
-            message = bytearray(status.Get_count(MPI.BYTE))
-            self.comm.Recv([message, MPI.BYTE], status.Get_source(), _ALARM)
-            alarm = alarm or pickle.loads(message)
+        for _, received in self._arrived(_ALARM):
+            alarm = alarm or received
         if alarm is not None:
             self._reported_key = calls.entries()
         return alarm
+
+    def _tell_others(self, what: Any, tag: int) -> None:
+        """Send ``what`` (pickled) to every other rank's watchdog with ``tag``, without waiting."""
+        message = pickle.dumps(what)
+        for other in range(self.size):
+            if other != self.rank:
+                self._send(message, other, tag)
+
+    def _arrived(self, tag: int) -> list[tuple[int, Any]]:
+        """The messages with ``tag`` that have arrived (source rank, unpickled), without waiting."""
+        arrived = []
+        status = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, tag, status):
+            message = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv([message, MPI.BYTE], status.Get_source(), tag)
+            arrived.append((status.Get_source(), pickle.loads(message)))
+        return arrived
 
     def _send(self, message: bytes, dest: int, tag: int) -> None:
         try:
@@ -426,20 +418,13 @@ class Watchdog:
 
     def _report(self, trigger: dict[str, Any]) -> None:
         mine = self._state()
-        message = pickle.dumps(mine)
-        for other in range(self.size):
-            if other != self.rank:
-                self._send(message, other, _STATE)
+        self._tell_others(mine, _STATE)
         states: dict[int, dict[str, Any]] = {self.rank: mine}
         deadline = time.monotonic() + _ANSWER_SECONDS
-        status = MPI.Status()
         while len(states) < self.size and time.monotonic() < deadline and not self._stopping.is_set():
-            if self.comm.Iprobe(MPI.ANY_SOURCE, _STATE, status):
-                received = bytearray(status.Get_count(MPI.BYTE))
-                self.comm.Recv([received, MPI.BYTE], status.Get_source(), _STATE)
-                state = pickle.loads(received)
-                states[state["rank"]] = state
-            else:
+            arrived = self._arrived(_STATE)
+            states.update((state["rank"], state) for _, state in arrived)
+            if not arrived:
                 time.sleep(0.01)
         text = format_report(trigger, states, self.size, self.rank, _timeout, _action)
         flight.dump("stall", {"report": text, "states": {str(rank): state for rank, state in states.items()}})
