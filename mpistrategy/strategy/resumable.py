@@ -22,7 +22,7 @@ sampler) becomes a :class:`CountedLoader`: its batches pass unchanged, and the s
 Both tell the strategy how many batches a pass had once its data ended, which the stall watchdog compares with
 the other ranks' position (:mod:`mpistrategy.comm.watchdog`: uneven data). Both forward the loader's attributes,
 in both directions: what Lightning sets on the loader it was given (``worker_init_fn`` under
-``seed_everything(workers=True)``) reaches the DataLoader.
+``seed_everything(workers=True)``) reaches the DataLoader, and ``isinstance`` sees the loader's class.
 
 Only the training loop's passes (the iterators Lightning's ``CombinedLoader`` makes) are counted and run the
 hooks: any other reader of ``trainer.train_dataloader`` (a look at a batch on rank 0 only, to log or plot it) gets
@@ -82,6 +82,16 @@ class _LoaderView:
             object.__setattr__(self, name, value)
         else:
             setattr(self.loader, name, value)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105
+        """The loader's class: ``isinstance(trainer.train_dataloader, DataLoader)`` holds as without the wrapper
+        (``type()`` still names the wrapper)."""
+        return type(self.loader)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A copy or pickle of the wrapper is one of the loader alone (without the training loop's hooks)."""
+        return self.loader.__reduce_ex__(protocol)
 
     def __len__(self) -> int:
         return len(self.loader)

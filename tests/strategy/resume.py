@@ -142,7 +142,7 @@ def stop_then_resume(
         model, fit, code = fit_noisy(directory, ckpt_path=checkpoint, callbacks=callbacks, **options)
     assert code is None
     assert not [w for w in caught if "not resumable" in str(w.message)], "Lightning called the dataloader unresumable"
-    assert isinstance(fit.train_dataloader, ResumableLoader)
+    assert isinstance(fit.train_dataloader, ResumableLoader) and isinstance(fit.train_dataloader, DataLoader)
     return model, fit
 
 

@@ -4,9 +4,11 @@ every rank."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
+import pickle
 import shutil
 import signal
 import struct
@@ -25,7 +27,7 @@ from mpistrategy.aggregation import GradBucket, MeanAggregator
 from mpistrategy.strategy import checkpoint_files, checkpoints
 from mpistrategy.strategy.checkpoint_files import SEAL_PREFIX, CorruptCheckpointError
 from mpistrategy.strategy.mpi_ad import CHECKPOINT_KEY, MPIADStrategy
-from mpistrategy.strategy.resumable import CountedLoader, make_resumable, unwrapped
+from mpistrategy.strategy.resumable import CountedLoader, ResumableLoader, make_resumable, unwrapped
 from tests.strategy.helpers import (
     COMM,
     RANK,
@@ -311,6 +313,22 @@ def test_other_readers_of_a_training_loader_neither_move_its_position_nor_run_it
     stream = CountedLoader(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), lambda: calls.append("pass"))
     calls.clear()
     assert [len(batch[0]) for batch in stream] == [4, 4, 2] and calls == []
+
+
+def test_training_loader_wrappers_pass_for_the_loader_in_isinstance_and_copies() -> None:
+    """``isinstance(trainer.train_dataloader, DataLoader)`` holds under the wrappers, and a copy or a pickle of one
+    is a copy of its loader alone, without the training loop's hooks."""
+    calls: list[str] = []
+    resumable = make_resumable(_sharded_loader(2, 1), lambda: calls.append("batch"))
+    stream = CountedLoader(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), lambda: calls.append("pass"))
+    passes = CountedLoader([[1, 2], [3]], lambda: calls.append("pass"))
+    assert isinstance(resumable, DataLoader) and isinstance(stream, DataLoader) and isinstance(passes, list)
+    assert isinstance(resumable, ResumableLoader) and isinstance(stream, CountedLoader)
+    for wrapper in (resumable, stream):
+        for copied in (copy.copy(wrapper), copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
+            assert type(copied) is DataLoader and len(copied) == len(wrapper)
+            assert [len(batch[0]) for batch in _training_pass(copied)] == [len(b[0]) for b in unwrapped(wrapper)]
+    assert calls == []
 
 
 # --- corrupt checkpoints ----------------------------------------------------------------------------------------------
