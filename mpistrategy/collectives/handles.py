@@ -25,6 +25,7 @@ from mpi4py import MPI
 from mpistrategy.collectives._compile import eager_under_compile
 from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._second_order import recording, refuse_if_recording
+from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.watchdog import watched_at_exit
 
 #: requests of dropped :class:`Pending` objects still in flight, each with the buffers it uses
@@ -120,9 +121,11 @@ class Link:
 
     ``adjoint``, where the op has one, computes the backward through differentiable ops: it replaces
     ``start_backward`` while autograd records the backward (``create_graph=True``), so that the gradient can be
-    differentiated again; without it, such a backward raises (``what`` names the op)."""
+    differentiated again; without it, such a backward raises (``what`` names the op). ``agreement``: for a
+    collective, its communicator, call count and op name, which its backward checks across ranks (see
+    :class:`~mpistrategy.collectives._function.CollectiveFunction`)."""
 
-    __slots__ = ("start_forward", "start_backward", "adjoint", "what", "forward", "backward")
+    __slots__ = ("start_forward", "start_backward", "adjoint", "what", "agreement", "forward", "backward")
 
     def __init__(
         self,
@@ -130,17 +133,20 @@ class Link:
         start_backward: Callable[[torch.Tensor], Work],
         what: str,
         adjoint: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        agreement: tuple[Communicator, int, str] | None = None,
     ) -> None:
         self.start_forward = start_forward
         self.start_backward = start_backward
         self.what = what
         self.adjoint = adjoint
+        self.agreement = agreement
         self.forward: Work | None = None
         self.backward: Work | None = None
 
 
 class _Start(CollectiveFunction):
     op_name = "a non-blocking op"
+    collective_backward = False  # waits for what Finish's backward posted
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, link: Link) -> torch.Tensor:
@@ -155,10 +161,12 @@ class _Start(CollectiveFunction):
 
 class _Finish(CollectiveFunction):
     op_name = "a non-blocking op"
+    collective_backward = False  # checked through the link's agreement, taken when the op was posted
 
     @staticmethod
     def forward(ctx, token: torch.Tensor, link: Link) -> torch.Tensor:
         ctx.link = link
+        ctx.agreement = link.agreement
         ctx.token = (token.dtype, token.device)  # its gradient has its type, whatever the result's is
         assert link.forward is not None  # posted by Start
         return link.forward.wait()

@@ -179,6 +179,8 @@ def wait_backward_sends() -> None:
 
 
 class _Send(CollectiveFunction):
+    collective_backward = False
+
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, header: torch.Tensor, dst: int, tag: int, comm: Communicator):
         ctx.dst, ctx.comm, ctx.number = dst, comm, int(header[HEADER_LENGTH])
@@ -195,6 +197,8 @@ class _Send(CollectiveFunction):
 
 
 class _Recv(CollectiveFunction):
+    collective_backward = False
+
     @staticmethod
     def forward(ctx, link: torch.Tensor, entry: wire.Incoming, comm: Communicator):
         ctx.src, ctx.number, ctx.comm = entry.src, entry.number, comm
@@ -208,6 +212,8 @@ class _Recv(CollectiveFunction):
 
 
 class _SendRecv(CollectiveFunction):
+    collective_backward = False
+
     @staticmethod
     def forward(
         ctx,

@@ -91,12 +91,13 @@ def _apart(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return tensor
 
 
-def _allreduce_buffers(
-    tensor: torch.Tensor, op: str, out: torch.Tensor | None
-) -> tuple[object, torch.Tensor, MPI.Op, torch.Tensor]:
-    """What ``MPI_Allreduce`` of ``tensor`` needs: the send buffer (``MPI_IN_PLACE`` when the result is written
-    over ``tensor``'s own memory), the tensor receiving the result (``out`` when MPI can write into it), the MPI
-    operation, and the tensor whose memory is sent (to keep alive while a request is in flight)."""
+def _allreduce_buffers(tensor: torch.Tensor, op: str, out: torch.Tensor | None) -> tuple[torch.Tensor, MPI.Op]:
+    """What ``MPI_Allreduce(MPI_IN_PLACE, ...)`` of ``tensor`` needs: the tensor that holds ``tensor``'s values
+    (in the reduction's dtype) and receives the result (``out`` when MPI can write into it), and the MPI operation.
+
+    Every rank reduces in place, whether or not its ``out`` is ``tensor``'s own memory: the MPI standard requires
+    ``MPI_IN_PLACE`` at all ranks or at none (MPI's own allreduce copies the send buffer into the receive buffer
+    first, as done here)."""
     operation = NATIVE_REDUCTIONS.get((tensor.dtype, op))
     if operation is not None and host_ready(tensor, out):  # the common case: no conversion, staging or copy
         staged, result = tensor, receive_pool.empty(tensor.shape, tensor.dtype) if out is None else out
@@ -105,8 +106,9 @@ def _allreduce_buffers(
         staged = on_wire(tensor, wire_dtype)
         result = receive_buffer(out, tuple(staged.shape), wire_dtype, tensor.device)
         operation = mpi_op(wire_dtype, op)
-    send = MPI.IN_PLACE if same_memory(result, staged) else mpi_buffer(staged)
-    return send, result, operation, staged
+    if not same_memory(result, staged):
+        result.copy_(staged)
+    return result, operation
 
 
 def _allreduce_result(
@@ -127,8 +129,8 @@ def _allreduce(
     group = group_for(channel, tensor, op)
     if group is not None:
         return group.allreduce(tensor, op, out)
-    send, result, operation, _ = _allreduce_buffers(tensor, op, out)
-    channel.Allreduce(send, mpi_buffer(result), operation)
+    result, operation = _allreduce_buffers(tensor, op, out)
+    channel.Allreduce(MPI.IN_PLACE, mpi_buffer(result), operation)
     return _allreduce_result(result, tensor, op, size, out)
 
 
@@ -141,9 +143,9 @@ def _start_allreduce(
     group = group_for(channel, tensor, op)
     if group is not None:
         return group.start(tensor, op, out)
-    send, result, operation, sent = _allreduce_buffers(tensor, op, out)
-    request = channel.Iallreduce(send, mpi_buffer(result), operation)
-    return Pending([request], lambda: _allreduce_result(result, tensor, op, size, out), keepalive=(sent, result))
+    result, operation = _allreduce_buffers(tensor, op, out)
+    request = channel.Iallreduce(MPI.IN_PLACE, mpi_buffer(result), operation)
+    return Pending([request], lambda: _allreduce_result(result, tensor, op, size, out), keepalive=(result,))
 
 
 class _Allreduce(CollectiveFunction):
@@ -286,14 +288,17 @@ def iallreduce(
         comm.size,
         exchange=check_exchange(comm.forward, tensor, op),
     )
+    agreement = (comm, comm.calls, "iallreduce")
     if op == "prod" and recorded:
         product = _NonBlockingProduct(comm)
-        return Handle(tensor, Link(product.start_forward, product.start_backward, "iallreduce op='prod'"))
+        link = Link(product.start_forward, product.start_backward, "iallreduce op='prod'", agreement=agreement)
+        return Handle(tensor, link)
     link = Link(
         lambda x: _start_allreduce(x, op, comm.forward, comm.size, out),
         lambda g: _start_allreduce(g, op, comm.backward, comm.size),
         "iallreduce",
         adjoint=lambda g: _Allreduce.apply(g, op, comm),
+        agreement=agreement,
     )
     return Handle(tensor, link)
 

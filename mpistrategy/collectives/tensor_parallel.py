@@ -36,6 +36,8 @@ class _CopyToParallel(CollectiveFunction):
 
 
 class _ReduceFromParallel(CollectiveFunction):
+    collective_backward = False  # identity backward
+
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm = comm

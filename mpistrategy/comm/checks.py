@@ -358,8 +358,24 @@ def _previous_on(call: Call) -> Call | None:
     return None
 
 
+#: the start of the op name of a backward's check (see :class:`~mpistrategy.collectives._function.CollectiveFunction`)
+BACKWARD_PREFIX = "backward of "
+_BACKWARD_ADVICE = (
+    " Every rank must backpropagate through the same collectives: a rank whose loss does not use an op's output "
+    "skips that op's backward (autograd prunes it) while the others run it; keep such an output in the loss with "
+    "weight zero (loss = loss + 0 * y.sum()) on the ranks that do not need it, and differentiate the same outputs "
+    "with respect to the same inputs on every rank."
+)
+
+
 def _disagreement(what: str, describe: str, rows: list[tuple[str, str, int, str | None, tuple]]) -> str:
-    """The message for ranks whose calls differ: each rank's call, and what differs."""
+    """The message for ranks whose calls differ: each rank's call, and what differs (with advice when a backward
+    is among them)."""
+    advice = _BACKWARD_ADVICE if any(op.startswith(BACKWARD_PREFIX) for op, _, _, _, _ in rows) else ""
+    return _difference(what, describe, rows) + advice
+
+
+def _difference(what: str, describe: str, rows: list[tuple[str, str, int, str | None, tuple]]) -> str:
     listing = "; ".join(f"rank {rank}: {shown}" for rank, (_, shown, _, _, _) in enumerate(rows))
     counts = [count for _, _, count, _, _ in rows]
     most = max(counts)
@@ -385,6 +401,8 @@ def _disagreement(what: str, describe: str, rows: list[tuple[str, str, int, str 
             "Every rank must make the same collective calls in the same order: a rank took another branch or "
             "skipped a call."
         )
+    if what.startswith(BACKWARD_PREFIX):
+        return f"{what}: ranks are in the backward of different calls ({listing})."
     return (
         f"{what}: ranks disagree on the {describe} ({listing}). Every rank must call {what} with the same {describe}."
     )

@@ -84,6 +84,59 @@ def test_without_validation_a_local_problem_raises_on_its_rank_only() -> None:
     _assert_in_step()
 
 
+def _two_reductions() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs ``a``, ``b`` (this rank's values) and their allreduce-sums, calls #k and #k+1 on the world."""
+    a = torch.full((3,), 1.0 + rank(), dtype=torch.float64, requires_grad=True)
+    b = torch.full((3,), 10.0 + rank(), dtype=torch.float64, requires_grad=True)
+    return a, b, ms.allreduce(a), ms.iallreduce(b).wait()
+
+
+@pytest.mark.mpi(ranks=(2, 3))
+def test_ranks_in_the_backward_of_different_calls_raise_on_every_rank() -> None:
+    """The culprit differentiates its two outputs in the other order: without the check the two backward
+    allreduces would pair with each other (each rank would get the wrong op's gradient)."""
+    a, b, y1, y2 = _two_reductions()
+    with pytest.raises(CommunicationError) as caught:
+        if rank() == culprit():
+            torch.autograd.grad((3 * y2).sum(), b, retain_graph=True)
+            torch.autograd.grad((2 * y1).sum(), a)
+        else:
+            torch.autograd.grad((2 * y1).sum(), a, retain_graph=True)
+            torch.autograd.grad((3 * y2).sum(), b)
+    text = _message(caught.value)
+    assert f"rank {culprit()}: backward of iallreduce(forward call=" in text, text
+    assert "backward of allreduce(forward call=" in text and "differentiate the same outputs" in text, text
+    _assert_in_step()
+
+
+@pytest.mark.mpi(ranks=(2, 3))
+def test_a_rank_whose_loss_skips_a_collective_raises_on_every_rank() -> None:
+    """Autograd prunes the backward of an output the culprit's loss does not use; its next collective meets the
+    others' backward of that output, and every rank raises with the advice to keep it with weight zero."""
+    a, b, y1, y2 = _two_reductions()
+    with pytest.raises(CommunicationError) as caught:
+        ((y2 if rank() == culprit() else y1 + y2) * 2).sum().backward()
+        ms.allreduce(torch.ones(2))
+    text = _message(caught.value)
+    assert "ranks called different collectives" in text and "backward of allreduce(forward call=" in text, text
+    assert "weight zero" in text, text
+    _assert_in_step()
+
+
+@pytest.mark.mpi(ranks=(1, 2, 3))
+def test_backward_through_the_same_collectives_passes_whatever_local_ops_surround_them() -> None:
+    """Ranks whose graphs differ in local ops only run the same backward collectives: right gradients, no error."""
+    a, b, y1, y2 = _two_reductions()
+    if rank() == culprit():
+        loss = (y1 * 2).exp().log().sum() + (y2 + 0).sum() * 3
+    else:
+        loss = (y2 * 3).sum() + (y1 * 2).sum()
+    loss.backward()
+    assert torch.allclose(a.grad, torch.full((3,), 2.0 * size(), dtype=torch.float64)), a.grad
+    assert torch.equal(b.grad, torch.full((3,), 3.0 * size(), dtype=torch.float64)), b.grad
+    _assert_in_step()
+
+
 @pytest.mark.parametrize(("name", "nranks"), [(name, 3 - index % 2) for index, name in enumerate(UNCAUGHT)])
 def test_uncaught_bad_input_ends_the_job(name: str, nranks: int) -> None:
     """The same mistake in a script that catches nothing: every rank that raises exits with its traceback, so the

@@ -146,3 +146,15 @@ def test_broadcast_root_into_an_out_that_partly_overlaps_its_tensor() -> None:
     tensor, out = (buffer[:6], buffer[1:]) if rank() == root else (None, torch.empty(6))
     assert ms.broadcast(tensor, root=root, out=out) is out
     assert torch.equal(out, torch.arange(6.0))
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["allreduce", "iallreduce"])
+@pytest.mark.parametrize("numel", [5, 1 << 17])
+def test_ranks_reducing_in_place_and_into_new_tensors_in_one_call(numel: int, blocking: bool) -> None:
+    """``out=x`` on some ranks, a new result or another ``out`` on the others: one allreduce, the same sums."""
+    x = torch.arange(numel, dtype=torch.float64) * (rank() + 1)
+    expected = torch.arange(numel, dtype=torch.float64) * (size() * (size() + 1) / 2)
+    out = {0: x, 1: None}.get(rank() % 3, torch.empty(numel, dtype=torch.float64))
+    result = ms.allreduce(x, out=out) if blocking else ms.iallreduce(x, out=out).wait()
+    assert out is None or result is out
+    _assert_close(result, expected)
