@@ -4,6 +4,7 @@ adjoints at pooled sizes, and the memory of a released result used again."""
 from __future__ import annotations
 
 import gc
+
 import pytest
 import torch
 
