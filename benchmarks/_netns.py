@@ -15,10 +15,18 @@ link to the root namespace, so no packet can leave the machine.
 A run is named ``mpiemu-<pid namespace>-<pid>-<process start time>-<sequence>`` after the process that owns it, so
 concurrent runs never share a name, and the leftovers of a run whose owner died (killed, crashed) are recognised as
 stale and removed by the next run (:func:`remove_stale_runs`).
+
+MPICH leaves files outside the namespaces when a job ends without ``MPI_Finalize`` (an abort, a killed rank, a
+signal): each node's shared-memory segment ``/dev/shm/mpich_shm_*`` and each Hydra proxy's hwloc topology file
+``/tmp/hydra_hwloc_xmlfile_*`` (a fixed path, not ``$TMPDIR``). :func:`mpich_files` lists them before a job and
+:func:`remove_unheld` removes, after it, those that appeared meanwhile and that no live process holds: a running
+job keeps its own open (the ranks map the segment, the proxy keeps the topology file open), so the files of other
+jobs running at the same time stay.
 """
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -27,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +47,8 @@ MAX_NODES = 240
 NODE_DEVICE = "eth0"
 BRIDGE = "br0"
 NETNS_ETC = Path("/etc/netns")
+# What an MPICH job ended without MPI_Finalize leaves: shared-memory segments and Hydra's hwloc topology files.
+MPICH_FILES = ("/dev/shm/mpich_shm_*", "/tmp/hydra_hwloc_xmlfile_*")
 
 _RUN_NAME = re.compile(r"^mpiemu-(\d+)-(\d+)-(\d+)-(\d+)$")
 _NAMESPACE = re.compile(r"^(mpiemu-\d+-\d+-\d+-\d+)-(sw|n\d+)$")
@@ -201,6 +212,70 @@ def remove(run: str) -> None:
     for etc in NETNS_ETC.glob(f"{run}-*"):
         shutil.rmtree(etc, ignore_errors=True)
     _remove_netns_etc_if_empty()
+
+
+def mpich_files() -> set[str]:
+    """The MPICH job files (:data:`MPICH_FILES`) that exist now."""
+    return {path for pattern in MPICH_FILES for path in glob.glob(pattern)}
+
+
+def remove_unheld(paths: Iterable[str]) -> list[str]:
+    """Remove those of ``paths`` that no live process has open or mapped (of any mount namespace: files are
+    compared by device and inode) and return them; the others, and paths already gone, are left alone."""
+    candidates: dict[tuple[int, int], str] = {}
+    for path in paths:
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        candidates[(info.st_dev, info.st_ino)] = path
+    if not candidates:
+        return []
+    held = _held(candidates)
+    removed = []
+    for key, path in sorted(candidates.items(), key=lambda item: item[1]):
+        if key in held:
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def _held(files: dict[tuple[int, int], str]) -> set[tuple[int, int]]:
+    """Which of ``files`` (keyed by device and inode) a live process has open (``/proc/<pid>/fd``) or mapped
+    (``/proc/<pid>/maps``)."""
+    names = {Path(path).name for path in files.values()}
+    inodes = {inode for _, inode in files}
+    held: set[tuple[int, int]] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            descriptors = list((proc / "fd").iterdir())
+        except OSError:  # gone, or not ours to read: judged by its maps alone
+            descriptors = []
+        for descriptor in descriptors:
+            try:
+                if os.readlink(descriptor).rsplit("/", 1)[-1] not in names:
+                    continue
+                info = os.stat(descriptor)
+            except OSError:
+                continue
+            held.add((info.st_dev, info.st_ino))
+        try:
+            maps = (proc / "maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].rsplit("/", 1)[-1].split(" ")[0] in names and int(fields[4]) in inodes:
+                # A mapping names its file's inode (the device as the kernel shows it may differ): any candidate
+                # with that inode counts as held, erring on the side of keeping.
+                held |= {key for key in files if key[1] == int(fields[4])}
+    return held
 
 
 def stale_runs() -> list[str]:

@@ -12,6 +12,10 @@ attach, since they share one kernel, and no byte would cross a link). Every node
 (``node<k>``) that all nodes resolve, so code that connects to rank 0's host name (torch.distributed, gloo) works.
 The network layout and the names are described in ``_netns.py``.
 
+The nodes share this machine's cores, so a job's environment gets ``OMP_NUM_THREADS`` = cores // (all ranks of the
+job), at least 1, unless it sets ``OMP_NUM_THREADS`` itself: the torch threads of every rank (mpistrategy and torch
+read it) then fit the cores, where a node's share alone (its cores // its ranks) would oversubscribe them.
+
 Python API, for tests and benchmarks that run several jobs on one cluster:
 
     from benchmarks.cluster import EmulatedCluster
@@ -24,7 +28,9 @@ Python API, for tests and benchmarks that run several jobs on one cluster:
 
 Everything the cluster creates is removed when the ``with`` block ends, also on an exception, Ctrl-C (SIGINT) or
 SIGTERM/SIGHUP (turned into ``SystemExit`` while the cluster is up, unless the program installed its own
-handlers); a run whose process was killed outright (SIGKILL) is removed by the next cluster that starts.
+handlers); a run whose process was killed outright (SIGKILL) is removed by the next cluster that starts. The files
+MPICH leaves when a job ends without ``MPI_Finalize`` (shared memory in ``/dev/shm``, Hydra's topology files in
+``/tmp``) are removed when :meth:`EmulatedCluster.run` returns.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -69,6 +76,9 @@ STOP_GRACE_SECONDS = 5.0
 _TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)bit$")
 _RATE_FACTORS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+# The lowest link rate: below it tc's token bucket cannot hold the 256 KiB burst of _netns.shape (its buffer, in
+# time, overflows at about 7.6 kbit/s), so the kernel would shape another bucket than the one asked for.
+MIN_RATE_BITS = 8_000
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +88,8 @@ class ClusterUnavailableError(RuntimeError):
 
 
 def parse_rate(rate: str | None) -> int | None:
-    """A link rate in bit/s from tc's notation (``"1gbit"``, ``"10gbit"``, ``"100mbit"``: decimal prefixes), or
-    ``None`` for ``None``/``"unshaped"``/``"none"``/``"off"`` (no limit)."""
+    """A link rate in bit/s from tc's notation (``"1gbit"``, ``"10gbit"``, ``"100mbit"``: decimal prefixes), at
+    least 8kbit (:data:`MIN_RATE_BITS`), or ``None`` for ``None``/``"unshaped"``/``"none"``/``"off"`` (no limit)."""
     if rate is None or rate.strip().lower() in UNSHAPED:
         return None
     match = _RATE.match(rate.strip().lower())
@@ -88,7 +98,26 @@ def parse_rate(rate: str | None) -> int | None:
         raise ValueError(
             f"link rate {rate!r}: give bits per second in tc's units, like 1gbit, 10gbit or 100mbit, or 'unshaped'"
         )
+    if bits < MIN_RATE_BITS:
+        raise ValueError(
+            f"link rate {rate!r} is {bits:g} bit/s: the lowest is 8kbit (below it tc's token bucket cannot hold "
+            "the link's 256 KiB burst); give 8kbit or more, or 'unshaped'"
+        )
     return int(bits)
+
+
+def threads_per_rank(ranks: int) -> int:
+    """The threads each of ``ranks`` ranks gets when all of them share this machine's cores: cores // ranks, at
+    least 1 (:func:`machine_cores`)."""
+    return max(1, machine_cores() // max(1, ranks))
+
+
+def machine_cores() -> int:
+    """The cores this process may run on, which every emulated node shares."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def missing_requirements() -> list[str]:
@@ -217,10 +246,15 @@ class EmulatedCluster:
             *command,
         ]  # fmt: skip
 
-    def environment(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    def environment(self, env: Mapping[str, str] | None = None, ranks: int | None = None) -> dict[str, str]:
         """The environment of a job: this process's without MPI launcher variables, the transport settings that
-        route inter-node messages over the links, then ``env``."""
-        return {**_launch().without_launcher_variables(os.environ), **TRANSPORT_ENV, **(env or {})}
+        route inter-node messages over the links, then ``env``; for a job of ``ranks`` ranks in all, also
+        ``OMP_NUM_THREADS`` = :func:`threads_per_rank` where neither this process nor ``env`` sets it (every node
+        shares this machine's cores: a node's share per rank would oversubscribe them)."""
+        job_env = {**_launch().without_launcher_variables(os.environ), **TRANSPORT_ENV, **(env or {})}
+        if ranks is not None and "OMP_NUM_THREADS" not in job_env:
+            job_env["OMP_NUM_THREADS"] = str(threads_per_rank(ranks))
+        return job_env
 
     def run(
         self,
@@ -236,7 +270,8 @@ class EmulatedCluster:
     ) -> subprocess.CompletedProcess[str]:
         """Run ``command`` as an MPI job (see :meth:`mpiexec_command`) and return it when it ends, as
         :func:`subprocess.run` does (text output when captured; ``check`` raises ``CalledProcessError``). ``env``
-        adds to (or overrides) the job's environment (:meth:`environment`), it does not replace it.
+        adds to (or overrides) the job's environment (:meth:`environment`), it does not replace it; without an
+        ``OMP_NUM_THREADS`` there or in this process's environment, the job gets cores // its ranks.
 
         As with Hydra on a real cluster, a rank that exits non-zero without ``MPI_Abort`` (or a signal) does not end
         the ranks on other nodes: mpistrategy's failure handling aborts, and ``timeout`` bounds any other job.
@@ -244,22 +279,37 @@ class EmulatedCluster:
         After ``timeout`` seconds, or when this process is interrupted, the job gets SIGINT (mpiexec passes it to
         every rank), then SIGKILL after a grace period, and anything left in the nodes is killed; the exception
         (``subprocess.TimeoutExpired``, ``KeyboardInterrupt``, ...) propagates.
+
+        However the job ends, the files MPICH leaves when it ends without ``MPI_Finalize`` (``/dev/shm/mpich_shm_*``,
+        ``/tmp/hydra_hwloc_xmlfile_*``) are removed: those that appeared while it ran and that no live process holds
+        (the files of other jobs running at the same time are held by them).
         """
         self._require_up()
         args = self.mpiexec_command(command, ranks_per_node, nodes)
+        ranks = ranks_per_node * len(self._used_nodes(nodes))
         pipe = subprocess.PIPE if capture_output else None
-        job = subprocess.Popen(
-            args, env=self.environment(env), stdin=stdin, stdout=pipe, stderr=pipe, text=True, start_new_session=True
-        )
+        mpich_files_before = _netns.mpich_files()
         try:
-            out, err = job.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._stop(job)
-            out, err = job.communicate()
-            raise subprocess.TimeoutExpired(args, timeout or 0, out, err) from None
-        except BaseException:
-            self._stop(job)
-            raise
+            job = subprocess.Popen(
+                args,
+                env=self.environment(env, ranks),
+                stdin=stdin,
+                stdout=pipe,
+                stderr=pipe,
+                text=True,
+                start_new_session=True,
+            )
+            try:
+                out, err = job.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._stop(job)
+                out, err = job.communicate()
+                raise subprocess.TimeoutExpired(args, timeout or 0, out, err) from None
+            except BaseException:
+                self._stop(job)
+                raise
+        finally:
+            self._remove_job_files(mpich_files_before)
         done = subprocess.CompletedProcess(args, job.returncode, out, err)
         if check:
             done.check_returncode()
@@ -275,6 +325,25 @@ class EmulatedCluster:
             rate = f"{self.rate_bits / 1e6:g} Mbit/s"
         listing = ", ".join(f"{node.hostname} {node.address}" for node in self.nodes)
         return f"emulated cluster {self.run_name}: {len(self.nodes)} nodes ({listing}), links {rate}"
+
+    def _remove_job_files(self, before: set[str]) -> None:
+        """Remove the MPICH files that appeared since ``before`` and that no live process holds (signals wait)."""
+        masked = threading.current_thread() is threading.main_thread()
+        if masked:
+            previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *_TERMINATING_SIGNALS})
+        try:
+            new = _netns.mpich_files() - before
+            if new and any(_netns.processes_in(node.namespace) for node in self.nodes):
+                # The job's last processes may still be exiting (mpiexec returns once its proxies are gone).
+                deadline = time.monotonic() + STOP_GRACE_SECONDS
+                while any(_netns.processes_in(node.namespace) for node in self.nodes) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            removed = _netns.remove_unheld(new)
+            if removed:
+                log.info("removed what MPICH left of the job: %s", ", ".join(removed))
+        finally:
+            if masked:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
     def _stop(self, job: subprocess.Popen[str]) -> None:
         if job.poll() is None:
@@ -348,14 +417,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
-    parser.add_argument("--ranks-per-node", type=int, default=1, help="MPI ranks per node (default 1)")
+    parser.add_argument(
+        "--nodes",
+        type=_bounded_int(1, _netns.MAX_NODES),
+        default=2,
+        help=f"emulated nodes, 1 to {_netns.MAX_NODES} (default 2)",
+    )
+    parser.add_argument(
+        "--ranks-per-node", type=_bounded_int(1, None), default=1, help="MPI ranks per node, 1 or more (default 1)"
+    )
     parser.add_argument(
         "--rate",
         default="1gbit",
-        help="link rate per node and direction, tc notation: 1gbit (default), 10gbit, 100mbit, ... or unshaped",
+        type=_rate_argument,
+        help="link rate per node and direction, tc notation, 8kbit or more: 1gbit (default), 10gbit, 100mbit, ... "
+        "or unshaped",
     )
-    parser.add_argument("--timeout", type=float, help="seconds before the job is stopped")
+    parser.add_argument("--timeout", type=_positive_seconds, help="seconds before the job is stopped (> 0)")
     parser.add_argument("--cleanup", action="store_true", help="remove the leftovers of dead runs, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs")
     args = parser.parse_args(argv)
@@ -372,7 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cluster = EmulatedCluster(nodes=args.nodes, rate=args.rate)
         with cluster:
-            print(f"{cluster.describe()}; {args.ranks_per_node} rank(s) per node", file=sys.stderr, flush=True)
+            threads = _threads_note(args.ranks_per_node * args.nodes)
+            print(
+                f"{cluster.describe()}; {args.ranks_per_node} rank(s) per node; {threads}", file=sys.stderr, flush=True
+            )
             before = cluster.link_bytes()
             try:
                 done = cluster.run(command, args.ranks_per_node, timeout=args.timeout, stdin=None)
@@ -388,6 +469,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("emulated cluster: interrupted; the job was stopped and the nodes removed", file=sys.stderr)
         return 128 + signal.SIGINT
     return done.returncode if done.returncode >= 0 else 128 - done.returncode
+
+
+def _threads_note(ranks: int) -> str:
+    """How many threads each rank of a job of ``ranks`` ranks gets, and from where (for the startup line)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} from the environment"
+    return (
+        f"OMP_NUM_THREADS={threads_per_rank(ranks)} (the nodes share this machine's {machine_cores()} cores: "
+        f"cores // {ranks} ranks, at least 1; set OMP_NUM_THREADS to choose)"
+    )
+
+
+def _bounded_int(low: int, high: int | None) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (no upper bound when ``None``)."""
+
+    def parse(text: str) -> int:
+        allowed = f"{low} to {high}" if high is not None else f"{low} or more"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give {allowed}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; give {allowed}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; give more than 0") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is out of range; give a number of seconds more than 0")
+    return value
+
+
+def _rate_argument(text: str) -> str:
+    try:
+        parse_rate(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _print_link_bytes(cluster: EmulatedCluster, before: tuple[LinkBytes, ...]) -> None:

@@ -149,8 +149,12 @@ def _controller(contenders: list[str], settings: dict[str, Any], rounds: int, ra
 
     records: list[dict[str, Any]] = []
     loads: list[dict[str, Any]] = []
-    records_path = Path(tempfile.mkdtemp(prefix="hierarchical-")) / "records.jsonl"
-    with EmulatedCluster(nodes=NODES, rate=rate) as cluster:
+    # The ranks append their records here; the folder goes when the run ends (the results are in --results).
+    with (
+        tempfile.TemporaryDirectory(prefix="hierarchical-") as scratch,
+        EmulatedCluster(nodes=NODES, rate=rate) as cluster,
+    ):
+        records_path = Path(scratch) / "records.jsonl"
         print(f"{cluster.describe()}; records in {records_path}", file=sys.stderr, flush=True)
         for index in range(rounds):
             command = [

@@ -7,6 +7,7 @@ the missing parts as the reason. The tests of the messages for a missing require
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import select
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cluster import EmulatedCluster, _netns, missing_requirements, parse_rate
+from benchmarks import cluster as cluster_module
+from benchmarks.cluster import EmulatedCluster, _netns, main, missing_requirements, parse_rate
 from tests.mpi_harness import clean_environ
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +31,21 @@ ALLREDUCE_BENCHMARK = ROOT / "benchmarks" / "cluster_allreduce.py"
 JOB = Path(__file__).parent / "scripts" / "cluster_job.py"
 ELEMENTS = 2_000_000  # 8 MB of float32 per rank
 SLEEPER = "import os, time; os.write(1, b'ready %d\\n' % os.getpid()); time.sleep(600)"
+# An MPI job whose ranks print the MPICH files of their node (the shared memory they map, the topology file their
+# Hydra proxy holds open), then rank 0 fails as an mpistrategy job does (MPI_Abort) while the others wait.
+FILES_THEN_ABORT = """
+import json, os
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+mapped = {line.split()[-1] for line in open("/proc/self/maps") if "/mpich_shm_" in line}
+proxy = f"/proc/{os.getppid()}/fd"
+topology = {os.readlink(f"{proxy}/{fd}") for fd in os.listdir(proxy)}
+topology = {path for path in topology if "hydra_hwloc_xmlfile_" in path}
+print(json.dumps(sorted(mapped | topology)), flush=True)
+comm.Barrier()
+comm.rank == 0 and comm.Abort(3)
+comm.Barrier()
+"""
 
 MISSING = missing_requirements()
 needs_cluster = pytest.mark.skipif(bool(MISSING), reason="emulated cluster unavailable, needs " + "; ".join(MISSING))
@@ -73,17 +90,80 @@ def test_two_nodes_of_two_ranks_talk_through_the_shaped_link() -> None:
 
 
 @needs_cluster
-def test_a_failing_job_ends_and_the_cluster_is_removed() -> None:
-    # Rank 0 fails as an mpistrategy job does (MPI_Abort) while rank 1, on the other node, waits in a barrier.
-    fail_on_rank_0 = (
-        "from mpi4py import MPI; MPI.COMM_WORLD.rank == 0 and MPI.COMM_WORLD.Abort(3); MPI.COMM_WORLD.Barrier()"
-    )
+def test_a_failing_job_ends_and_the_cluster_and_mpich_files_are_removed() -> None:
+    # Rank 0 fails while the ranks of the other node wait in a barrier; MPICH leaves its files, run removes them.
     with pytest.raises(subprocess.CalledProcessError) as failure:
         with EmulatedCluster(nodes=2, rate="10gbit") as cluster:
             run_name = cluster.run_name
-            cluster.run([sys.executable, "-c", fail_on_rank_0], env=clean_environ(), timeout=60, check=True)
-    assert failure.value.returncode == 3
+            cluster.run(
+                [sys.executable, "-c", FILES_THEN_ABORT],
+                ranks_per_node=2,
+                env=clean_environ(),
+                timeout=60,
+                check=True,
+                capture_output=True,
+            )
+    assert failure.value.returncode == 3, failure.value.stderr[-3000:]
     assert _leftovers(run_name) == []
+    files = set(
+        re.findall(r'"(/[^"]*(?:mpich_shm_|hydra_hwloc_xmlfile_)[^"]*)"', failure.value.stdout)
+    )  # lines interleave
+    # one shared-memory segment and one topology file per node
+    assert sum("/mpich_shm_" in path for path in files) == 2, failure.value.stdout
+    assert sum("hydra_hwloc_xmlfile_" in path for path in files) == 2, failure.value.stdout
+    assert [path for path in files if os.path.lexists(path)] == []
+
+
+def test_only_the_mpich_files_no_process_holds_are_removed(tmp_path: Path) -> None:
+    opened, mapped, free = (tmp_path / name for name in ("mpich_shm_a_0", "mpich_shm_b_0", "hydra_hwloc_xmlfile_c"))
+    for path in (opened, mapped, free):
+        path.write_bytes(b"x" * mmap.PAGESIZE)
+    with opened.open("rb"), mapped.open("r+b") as handle:
+        mapping = mmap.mmap(handle.fileno(), mmap.PAGESIZE)
+        handle.close()  # held through the mapping alone, as MPICH's ranks hold their segment
+        try:
+            removed = _netns.remove_unheld([str(opened), str(mapped), str(free), str(tmp_path / "gone")])
+        finally:
+            mapping.close()
+    assert removed == [str(free)]
+    assert opened.exists() and mapped.exists() and not free.exists()
+
+
+def test_each_rank_gets_its_share_of_the_machine_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cluster_module, "machine_cores", lambda: 8)
+    cluster = EmulatedCluster(nodes=4, rate=None)  # not started: the environment needs no network
+    assert cluster.environment(ranks=4)["OMP_NUM_THREADS"] == "2"  # 4 nodes x 1 rank on 8 shared cores
+    assert cluster.environment(ranks=16)["OMP_NUM_THREADS"] == "1"
+    assert cluster.environment({"OMP_NUM_THREADS": "3"}, ranks=4)["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in cluster.environment()
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert cluster.environment(ranks=4)["OMP_NUM_THREADS"] == "5"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ranks-per-node", "0"], "argument --ranks-per-node: 0 is out of range; give 1 or more"),
+        (["--ranks-per-node", "-2"], "argument --ranks-per-node: -2 is out of range; give 1 or more"),
+        (["--nodes", "0"], "argument --nodes: 0 is out of range; give 1 to 240"),
+        (["--timeout", "0"], "argument --timeout: 0 is out of range; give a number of seconds more than 0"),
+        (["--timeout", "-5"], "argument --timeout: -5 is out of range; give a number of seconds more than 0"),
+        (["--rate", "0.5kbit"], "argument --rate: link rate '0.5kbit' is 500 bit/s: the lowest is 8kbit"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_built(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cluster_module.EmulatedCluster, "start", _must_not_start)
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--", "true"])
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _must_not_start(self: EmulatedCluster) -> EmulatedCluster:
+    raise AssertionError("the cluster was started despite a bad argument")
 
 
 @needs_cluster
@@ -233,6 +313,10 @@ def test_bad_sizes_and_rates_are_refused() -> None:
     for rate in ("1gb", "fast", "0gbit", "1 gbps"):
         with pytest.raises(ValueError, match="tc's units, like 1gbit"):
             parse_rate(rate)
+    assert parse_rate("8kbit") == 8000
+    for rate in ("7kbit", "0.5kbit", "100bit"):
+        with pytest.raises(ValueError, match="the lowest is 8kbit"):
+            parse_rate(rate)
     with pytest.raises(ValueError, match="1 to 240 nodes"):
         EmulatedCluster(nodes=0)
 
@@ -278,12 +362,12 @@ def _default_sigint() -> None:
 
 
 def _wait_for_ranks(script: subprocess.Popen[bytes], ranks: int, seconds: float = 60) -> tuple[str, list[int]]:
-    """The cluster's run name (from the script's first stderr line) and the pids of its ``ranks`` ranks, once all
-    of them printed 'ready <pid>'."""
+    """The cluster's run name (from the script's first stderr line, which also states the threads per rank) and the
+    pids of its ``ranks`` ranks, once all of them printed 'ready <pid>'."""
     out, err = b"", b""
     deadline = time.monotonic() + seconds
     while len(re.findall(rb"ready (\d+)\n", out)) < ranks or not (
-        header := re.search(rb"emulated cluster (mpiemu-[0-9-]+):", err)
+        header := re.search(rb"emulated cluster (mpiemu-[0-9-]+):.*; OMP_NUM_THREADS=[0-9]+", err)
     ):
         assert time.monotonic() < deadline and script.poll() is None, f"no ranks ready:\n{out!r}\n{err!r}"
         readable, _, _ = select.select([script.stdout, script.stderr], [], [], 0.5)

@@ -29,9 +29,11 @@ needs_cluster = pytest.mark.skipif(bool(MISSING), reason="emulated cluster unava
 
 @needs_cluster
 def test_every_contender_trains_and_the_results_are_written(tmp_path: Path) -> None:
+    scratch = tmp_path / "tmp"  # the benchmark's TMPDIR: its records folder must be gone at the end
+    scratch.mkdir()
     done = subprocess.run(
         [sys.executable, str(BENCHMARK), "--quick", "--results", str(tmp_path)],
-        env=clean_environ(),
+        env={**clean_environ(), "TMPDIR": str(scratch)},
         capture_output=True,
         text=True,
         timeout=300,
@@ -63,6 +65,7 @@ def test_every_contender_trains_and_the_results_are_written(tmp_path: Path) -> N
     for png in ("hierarchical_step_time.png", "hierarchical_accuracy.png"):
         assert (tmp_path / png).stat().st_size > 10_000, png
     assert "x flat" in done.stdout and "load average" in done.stdout
+    assert list(scratch.glob("hierarchical-*")) == []
 
 
 def test_the_cost_model_recovers_known_links_and_writes_its_tables(tmp_path: Path) -> None:
