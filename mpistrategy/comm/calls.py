@@ -3,8 +3,8 @@
 Every collective registers here once, in its argument check (:func:`mpistrategy.comm.checks.agree`), whether
 validation is on or off: :func:`enter` counts the call on its communicator (the counts of all ranks agree while
 the ranks make the same calls in the same order), finds the caller's place in the user's code (the innermost frame
-outside mpistrategy, torch, Lightning and the standard library; which frames are skipped is decided once per code
-object) and writes a
+outside mpistrategy, torch, Lightning (with lightning_utilities and torchmetrics) and the standard library; which
+frames are skipped is decided once per code object) and writes a
 :class:`Call` into a ring buffer of the last :data:`RECORDS` calls (``MPISTRATEGY_FLIGHT_RECORDS``, default 256).
 :func:`leave` (called when the public op returns) stores the call's duration. The cross-rank check puts the op,
 its arguments and the call site into its error messages; the stall watchdog and the flight recorder read the
@@ -39,8 +39,11 @@ def package_root() -> str:
 
 
 _SKIPPED_ROOTS = tuple(root for root in (package_root(), _package_root("torch")) if root is not None)
-# Lightning's packages are skipped by name (they may be imported after mpistrategy).
-_SKIPPED_PARTS = tuple(f"{os.sep}{name}{os.sep}" for name in ("lightning", "pytorch_lightning", "lightning_fabric"))
+# Lightning's packages, and those its collectives run through, are skipped by name (imported after mpistrategy).
+_SKIPPED_PARTS = tuple(
+    f"{os.sep}{name}{os.sep}"
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torchmetrics")
+)
 _MPISTRATEGY = package_root()
 _STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _SITE_PACKAGES = f"{os.sep}site-packages{os.sep}"
@@ -190,6 +193,14 @@ def key(channel: int) -> str:
 def members(channel: int) -> tuple[int, ...]:
     """The world ranks of the communicator with id ``channel``."""
     return tuple(int(rank) for rank in _keys[channel].split("#")[0].split(","))
+
+
+def count(channel: int) -> None:
+    """Count a call on the communicator with id ``channel`` that is made outside the checked ops and not recorded
+    (a non-blocking decision posted every step): the in-step comparison of the ranks' counts after an error sees
+    it (see :func:`mpistrategy.comm.watchdog.every_rank_raised`)."""
+    with _lock:
+        counts[channel] = counts.get(channel, 0) + 1
 
 
 def entries() -> int:

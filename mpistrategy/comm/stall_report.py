@@ -46,14 +46,9 @@ def format_report(
     silent = [other for other in range(size) if other not in states]
     uneven = trigger.get("uneven")
     if uneven is not None:
-        counts = "; ".join(f"rank {other}: {count}" for other, count in uneven["counts"].items())
         lines = [
-            f"[mpistrategy] uneven training data (found on rank {trigger['rank']}, reported on rank {rank}): the "
-            f"ranks' training data of epoch {uneven['epoch']} has different numbers of batches ({counts}), so the "
-            "ranks no longer run the same collectives (the longer ones wait for ranks that will not take part, or "
-            "pair theirs with the next epoch's). Give every rank the same number of batches per epoch: split an "
-            "IterableDataset evenly over the ranks (the remainder dropped), keep Lightning's DistributedSampler "
-            "for a map-style dataset (use_distributed_sampler=True), or cap the epoch with limit_train_batches."
+            f"[mpistrategy] uneven training data (found on rank {trigger['rank']}, reported on rank {rank}): "
+            + uneven_batches(uneven["epoch"], uneven["counts"])
         ]
     elif trigger.get("skipped") is not None:
         lines = [_skipped_call(trigger["skipped"], trigger["rank"], rank)]
@@ -147,3 +142,16 @@ def _unequal_entries(states: dict[int, dict[str, Any]]) -> list[str]:
             told = ", ".join(f"rank {other}: {count}" for other, count in entries.items())
             lines.append(f"  {name}, a call every rank must make, was entered unequally ({told})")
     return lines
+
+
+def uneven_batches(epoch: int, counts: dict[int, Any]) -> str:
+    """Why ranks whose training data of ``epoch`` has different numbers of batches (``counts``, by rank) cannot
+    train together, and the fix."""
+    listing = "; ".join(f"rank {other}: {count}" for other, count in counts.items())
+    return (
+        f"the ranks' training data of epoch {epoch} has different numbers of batches ({listing}), so the ranks no "
+        "longer run the same collectives (the longer ones wait for ranks that will not take part, or pair theirs "
+        "with the next epoch's). Give every rank the same number of batches per epoch: split an IterableDataset "
+        "evenly over the ranks (the remainder dropped), keep Lightning's DistributedSampler for a map-style dataset "
+        "(use_distributed_sampler=True), or cap the epoch with limit_train_batches."
+    )

@@ -283,7 +283,7 @@ class MPIStrategyBase:
         return sync.attach_metric_sync(module, self._gather_metric_state, _true)
 
     def _gather_metric_state(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
-        return sync.gather_tensors(tensor, self.topology.control)
+        return sync.gather_tensors(tensor, self.topology.control, world())
 
     @property
     def traffic(self) -> TrafficCounter:
@@ -305,18 +305,15 @@ class MPIStrategyBase:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s object (anything picklable) on every rank."""
-        return sync.broadcast_object(obj, src, self.topology.control)
+        return sync.broadcast_object(obj, src, self.topology.control, world())
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        if self.world_size > 1:
-            self.topology.control.Barrier()
+        """Wait until every rank has reached its barrier."""
+        sync.barrier(self.topology.control, world())
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        from mpi4py import MPI
-
-        if self.world_size == 1:
-            return bool(decision)
-        return bool(self.topology.control.allreduce(bool(decision), op=MPI.LAND if all else MPI.LOR))
+        """``decision`` combined over the ranks: true where every rank's is (``all``), else where any rank's is."""
+        return sync.reduce_boolean(decision, all, self.topology.control, world())
 
     # -------------------------------------------------------------------------------------- stop signals
 

@@ -41,7 +41,7 @@ from typing import NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from mpistrategy.comm import flight
+from mpistrategy.comm import calls, flight
 from mpistrategy.comm.abort import abort_job
 
 # The launcher forwards each rank's output through a pipe and stops forwarding when Abort tears the job down:
@@ -262,6 +262,10 @@ class StopSignals:
         self._result = np.zeros(1, dtype=np.int64)
         self._request: MPI.Request | None = None
         self._posted = False
+        group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        self._channel = calls.register(
+            tuple(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world_group))
+        )
 
     def install(self) -> None:
         """Take over the signals (replacing the handlers Lightning installed, which would stop one rank alone)."""
@@ -299,6 +303,7 @@ class StopSignals:
         self._flag[0] = self.received
         if self.comm.Get_size() > 1:
             self._request = self.comm.Iallreduce(self._flag, self._result, op=MPI.MAX)
+            calls.count(self._channel)  # ranks that raised after posting different numbers are not in step
         else:
             self._result[0] = self._flag[0]
         self._posted = True

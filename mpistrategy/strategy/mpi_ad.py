@@ -47,8 +47,10 @@ except ImportError:  # the core install has no Lightning
     require("lightning", "mpistrategy's Trainer strategy (mpi_ad)")
     raise
 from torch import Tensor
+from torch.utils.data import IterableDataset
 
 from mpistrategy.comm import watchdog
+from mpistrategy.comm.stall_report import uneven_batches
 from mpistrategy.strategy import checkpoints, failures, random_state
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
@@ -454,7 +456,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
         generators: after a resume from a checkpoint saved at the end of an epoch (before the next epoch's iterator
         drew), restore this rank's random state here; one saved within an epoch is restored before the first batch
         (:meth:`_before_training_batch`). A new pass (fit, epoch) for the watchdog, which learns the number of
-        batches the epoch will have where Lightning knows it (a sized loader, or ``limit_train_batches``)."""
+        batches the epoch will have where Lightning knows it (a sized loader, or ``limit_train_batches``); where
+        every rank knows it exactly, the ranks compare it at once (:meth:`_check_even_batches`)."""
         if self._random_state_at_epoch_end and self._random_state_to_restore is not None:
             random_state.restore(self._random_state_to_restore)
             self._random_state_to_restore = None
@@ -468,6 +471,24 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._one_loader = not isinstance(loaders, (list, tuple, dict)) or len(loaders) == 1
         if trainer.num_training_batches != float("inf"):
             watchdog.training_batches(training_pass, int(trainer.num_training_batches), "planned")
+        self._check_even_batches(trainer, loaders)
+
+    def _check_even_batches(self, trainer: Any, loaders: Any) -> None:
+        """Collective, at the start of a training pass: raise on every rank, before any batch, when the ranks'
+        loaders (all sized, none over an IterableDataset, whose length is only a hint) give the epoch different
+        numbers of batches; the ranks would pair the collectives of different batches and epochs. Streams are
+        left to the watchdog, which compares where their data ends."""
+        if self.world_size == 1:
+            return
+        planned = trainer.num_training_batches
+        exact = planned != float("inf") and not any(
+            isinstance(getattr(unwrapped(loader), "dataset", None), IterableDataset) for loader in _flattened(loaders)
+        )
+        counts = self.topology.control.allgather(int(planned) if exact else -1)
+        if -1 in counts or len(set(counts)) == 1:
+            return
+        problem = uneven_batches(trainer.current_epoch, dict(enumerate(counts)))
+        raise failures.mark_raised_on_every_rank(ValueError(f"mpi_ad: {problem}"))
 
     def _training_pass_ended(self, batches: int) -> None:
         """The training data of this pass ended after ``batches`` batches: every rank's watchdog is told (a rank
@@ -565,3 +586,12 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
 class MPIADStrategy(MPIADStrategyMixin, ParallelStrategy):
     """Data-parallel training over MPI for ``lightning.pytorch`` (see :class:`MPIADStrategyMixin` for options)."""
+
+
+def _flattened(loaders: Any) -> list[Any]:
+    """The loaders of ``trainer.train_dataloader`` (one, or a list, tuple or dict of them, nested)."""
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        return [inner for loader in loaders for inner in _flattened(loader)]
+    return [loaders]

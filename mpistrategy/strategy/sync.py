@@ -2,13 +2,18 @@
 and the broadcast of a module's parameters and buffers from rank 0.
 
 Tensor reductions and gathers go through the differentiable collectives (so ``all_gather(sync_grads=True)`` is
-differentiable); small control traffic (objects, metric states, the initial broadcast) goes through the private
-``control`` communicator of the :class:`~mpistrategy.comm.topology.Topology`.
+differentiable); small control traffic (objects, barriers, boolean decisions, metric states, the initial broadcast)
+goes through the private ``control`` communicator of the :class:`~mpistrategy.comm.topology.Topology`. The control
+calls a user or Lightning makes (``broadcast``, ``barrier``, ``reduce_boolean_decision``, metric state gathers) are
+checked and counted on the world's :class:`~mpistrategy.comm.communicator.Communicator`, as the tensor collectives
+are: a rank in one of them while another is in another collective of the world raises on every rank, naming both
+calls, instead of pairing its message with the wrong call; the flight recorder and the stall watchdog see them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -16,7 +21,9 @@ from mpi4py import MPI
 from torch import nn
 
 from mpistrategy.collectives.reduction import _allgather_front, allreduce
+from mpistrategy.comm import calls
 from mpistrategy.comm.buffers import mpi_buffer, off_wire, on_wire
+from mpistrategy.comm.checks import agree, attempt, check_rank
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.strategy import failures
 
@@ -64,10 +71,28 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, sync_grads: bool) -> to
         return allgather(source.contiguous().unsqueeze(0), 0, comm)
 
 
-def gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm) -> list[torch.Tensor]:
+@contextlib.contextmanager
+def _checked(
+    on: Communicator, what: str, local: tuple = (), describe: str = "", problem: Exception | None = None
+) -> Iterator[None]:
+    """A control call, registered and checked across ranks on ``on`` before the block sends anything (see the
+    module docstring); ``problem``: what this rank's own checks found, raised on every rank."""
+    agree(on, what, local, describe, problem)
+    try:
+        yield
+    finally:
+        calls.leave()
+
+
+def gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm, checked_on: Communicator) -> list[torch.Tensor]:
     """Every rank's ``tensor`` in a list, shapes allowed to differ (torchmetrics' ``dist_sync_fn`` contract)."""
     if comm.Get_size() == 1:
         return [tensor]
+    with _checked(checked_on, "metric state sync"):
+        return _gather_tensors(tensor, comm)
+
+
+def _gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm) -> list[torch.Tensor]:
     local = on_wire(tensor.detach())
     shapes = comm.allgather((tuple(local.shape), local.dtype))
     dtypes = {dtype for _, dtype in shapes}
@@ -78,11 +103,28 @@ def gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm) -> list[torch.Tens
     return [block.view(shape) for block, (shape, _) in zip(flat.split(counts), shapes, strict=True)]
 
 
-def broadcast_object(obj: Any, src: int, comm: MPI.Intracomm) -> Any:
+def broadcast_object(obj: Any, src: int, comm: MPI.Intracomm, checked_on: Communicator) -> Any:
     """Rank ``src``'s ``obj`` (any picklable object, tensors included) on every rank."""
     if comm.Get_size() == 1:
         return obj
-    return comm.bcast(obj, root=src)
+    _, problem = attempt(check_rank, src, checked_on, "broadcast", "src")
+    with _checked(checked_on, "broadcast", (src,), "src", problem):
+        return comm.bcast(obj, root=src)
+
+
+def barrier(comm: MPI.Intracomm, checked_on: Communicator) -> None:
+    """Wait until every rank has reached its barrier."""
+    if comm.Get_size() > 1:
+        with _checked(checked_on, "barrier"):
+            comm.Barrier()
+
+
+def reduce_boolean(decision: bool, every: bool, comm: MPI.Intracomm, checked_on: Communicator) -> bool:
+    """``decision`` combined over the ranks: true where every rank's is (``every``), else where any rank's is."""
+    if comm.Get_size() == 1:
+        return bool(decision)
+    with _checked(checked_on, "reduce_boolean_decision", (every,), "all"):
+        return bool(comm.allreduce(bool(decision), op=MPI.LAND if every else MPI.LOR))
 
 
 def broadcast_module_state(module: nn.Module, comm: MPI.Intracomm, root: int = 0) -> None:

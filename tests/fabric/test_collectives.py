@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.types import ReduceOp
 
+from mpistrategy import CommunicationError
 from tests.adjoint import assert_adjoint
 from tests.fabric.helpers import COMM, RANK, SIZE, launched, shared_tmpdir
 
@@ -108,3 +109,30 @@ def test_reduce_boolean_decision() -> None:
     assert strategy.reduce_boolean_decision(only_last, all=True) is False
     assert strategy.reduce_boolean_decision(True, all=True) is True
     assert strategy.reduce_boolean_decision(False, all=False) is False
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+@pytest.mark.parametrize("mistake", ["broadcast", "barrier", "reduce_boolean_decision"])
+def test_a_control_call_on_some_ranks_raises_on_every_rank(mistake: str) -> None:
+    """The culprit makes a control call the others do not make (under ``if fabric.is_global_zero:``, say), then
+    all reduce a tensor: every rank raises naming both calls, instead of the culprit's message waiting for the
+    others' next control call of its kind (a later broadcast then gave them its stale object). The ranks stay in
+    step."""
+    fabric = launched()
+    strategy = fabric.strategy
+    culprit = SIZE - 1
+    calls = {
+        "broadcast": lambda: fabric.broadcast("stale"),
+        "barrier": lambda: fabric.barrier(),
+        "reduce_boolean_decision": lambda: strategy.reduce_boolean_decision(True),
+    }
+    with pytest.raises(CommunicationError, match="ranks called different collectives") as caught:
+        if RANK == culprit:
+            calls[mistake]()
+        fabric.all_reduce(torch.ones(2))
+    text = str(caught.value)
+    assert f"rank {culprit}: {mistake}(" in text and "rank 0: allreduce(float32[2], op=avg) at " in text, text
+    assert fabric.broadcast(f"from {RANK}", src=culprit) == f"from {culprit}"
+    with pytest.raises(ValueError if RANK == culprit else CommunicationError, match=f"src={SIZE} is not a rank"):
+        fabric.broadcast("x", src=SIZE if RANK == culprit else 0)
+    fabric.barrier()

@@ -57,25 +57,34 @@ def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Pa
     assert "aborting all ranks" not in output  # every rank raised it in step: each exits with its own error
 
 
+def test_trainer_rank_skipping_a_backward_pass_of_a_resumable_loader_ends_the_job_at_once(tmp_path: Path) -> None:
+    """The same through Lightning's DistributedSampler, whose loader decides the stop signals before every batch:
+    the ranks raised having posted different numbers of those decisions, so the job ends with exit code 1 and every
+    rank's traceback at once (not in a wait for the missing decision at teardown, ended by the stall watchdog)."""
+    code, output = _run("trainer", "skip_backward_sampled", "flat", 2, tmp_path)
+    assert code == 1, output[-4000:]
+    assert output.count("CommunicationError: gradient sync: ranks disagree on the training batch") == 2, output[-4000:]
+    assert "[mpistrategy] stall" not in output, output[-4000:]
+
+
 def _uneven_report(output: str, rank: int) -> str:
     found = re.search(rf"uneven training data \(found on rank \d, reported on rank {rank}\)", output)
     assert found, output[-4000:]
     return output[found.start() :]
 
 
-def test_trainer_rank_with_a_batch_more_is_reported_by_the_watchdog(tmp_path: Path) -> None:
-    """Rank 0's loader has five batches, the others' four: as soon as a rank learns both lengths, every rank
-    reports the uneven data, without waiting for the stall timeout."""
-    code, output = _run("trainer", "extra_step", "hierarchical", 3, tmp_path)
-    assert code == STALL_EXIT_CODE, output[-4000:]
-    for rank in range(3):
-        report = _uneven_report(output, rank)
-        assert "training data of epoch 0 has different numbers of batches" in report, report
-        assert re.search(r"rank 0: 5 planned", report), report  # the loader's length, known at the epoch's start
-        assert re.search(r"rank [12]: 4 planned", report), report
-        assert "use_distributed_sampler=True" in report and "limit_train_batches" in report, report
-        assert f"rank {rank} ends with exit code {STALL_EXIT_CODE}" in report
-    assert sorted(path.name for path in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json", "rank2.json"]
+def test_trainer_rank_with_a_batch_more_raises_on_every_rank_before_the_first_batch(tmp_path: Path) -> None:
+    """Rank 0's loader has five batches, the others' four (sized map-style loaders): the ranks compare the counts
+    when the epoch starts, and every rank raises before any batch is read, each with its own traceback."""
+    code, output, _ = run_mpi_job(SCRIPT, 3, "trainer", "extra_step", "hierarchical", timeout=120)
+    assert code == 1, output[-4000:]
+    message = (
+        "ValueError: mpi_ad: the ranks' training data of epoch 0 has different numbers of batches (rank 0: 5; "
+        "rank 1: 4; rank 2: 4)"
+    )
+    assert output.count(message) == 3, output[-4000:]
+    assert "use_distributed_sampler=True" in output and "limit_train_batches" in output, output[-4000:]
+    assert "HANG" not in output and "aborting all ranks" not in output, output[-4000:]
 
 
 def test_an_uneven_iterable_dataset_is_reported_long_before_the_stall_timeout(tmp_path: Path) -> None:

@@ -1,12 +1,14 @@
 """Training in which the last rank goes astray (see tests/strategy/test_diagnosis.py).
 
 argv: framework ("trainer" or "fabric"), case, sync mode. Cases: "skip_backward" (the last rank skips backward and
-the optimizer step of batch 1), "extra_step" (rank 0 has one batch more), "uneven_stream" (an IterableDataset that
-gives the last rank two batches more per epoch, two epochs), "loader_hang" (the last rank's data loader blocks in a C
-call at batch 2), "save_on_rank_zero" (rank 0 alone saves a checkpoint at batch 1). ``HANG <time>`` marks when the
-case begins. Healthy cases that must finish: "cycled_stream" (a loader of four batches and a stream of two that
-Lightning cycles), "capped_stream" (a stream of four batches capped by limit_train_batches=10; rank 0 lingers at its
-last batch), "save_on_every_rank" (every rank saves at batch 1, the last one 1.5 s after the others).
+the optimizer step of batch 1; "skip_backward_sampled": it skips the backward pass only, and reads its batches
+through Lightning's DistributedSampler), "extra_step" (rank 0 has one batch more), "uneven_stream" (an
+IterableDataset that gives the last rank two batches more per epoch, two epochs), "loader_hang" (the last rank's data
+loader blocks in a C call at batch 2), "save_on_rank_zero" (rank 0 alone saves a checkpoint at batch 1).
+``HANG <time>`` marks when the case begins. Healthy cases that must finish: "cycled_stream" (a loader of four
+batches and a stream of two that Lightning cycles), "capped_stream" (a stream of four batches capped by
+limit_train_batches=10; rank 0 lingers at its last batch), "save_on_every_rank" (every rank saves at batch 1, the
+last one 1.5 s after the others).
 """
 
 import os
@@ -27,7 +29,8 @@ from mpistrategy.sync import DASO, FlatSync, Gossip, HierarchicalLocalSGD, Hiera
 framework, case, sync_name = sys.argv[1:4]
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 LATE = SIZE - 1
-BATCHES = 4 + (case == "extra_step" and RANK == 0)
+SAMPLED = case == "skip_backward_sampled"
+BATCHES = SIZE * 4 if SAMPLED else 4 + (case == "extra_step" and RANK == 0)
 CHECKPOINT = os.path.join(os.environ.get("MPISTRATEGY_FLIGHT_DIR", "."), "saved.ckpt")
 SYNCS = {
     "flat": FlatSync,
@@ -84,8 +87,10 @@ class Model(L.LightningModule):
             time.sleep(1.5)  # the others reach the stream's end well before rank 0
         optimizer = self.optimizers()
         loss = self.layer(batch).square().mean()
-        if case == "skip_backward" and RANK == LATE and batch_idx == 1:
+        if case.startswith("skip_backward") and RANK == LATE and batch_idx == 1:
             say(f"HANG {time.time()}")
+            if SAMPLED:
+                optimizer.step()  # a step without its backward pass: the global step moves on as on the others
             return  # marker: skip
         if batch_idx == 1 and saves():
             self.trainer.save_checkpoint(CHECKPOINT)  # marker: save
@@ -126,7 +131,7 @@ if framework == "trainer":
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=SAMPLED,
     )
     trainer.fit(Model(), loader())  # marker: fit
 else:
