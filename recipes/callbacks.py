@@ -208,7 +208,7 @@ def requeue_slurm_job() -> bool:
     """
     job = slurm_job_id()
     if not job:
-        log.warning("preempted outside a SLURM job: not requeued (resume by running the same command again)")
+        log.warning("preempted outside a SLURM job: not requeued; the run resumes from its checkpoint in its run dir")
         return False
     marker = os.environ.get(REQUEUE_FILE_ENV)
     if marker:

@@ -14,14 +14,16 @@ printed once, by rank 0. So is a setup error that every rank raises together (a 
 corrupt checkpoint); any other failure during training aborts the MPI job (the failing rank prints its traceback
 once) instead of leaving the other ranks blocked in a collective.
 
-Exit codes: 0 finished; 75 stopped by SIGUSR1/SIGTERM after a checkpoint (run the same command in the same run dir
-to resume; :data:`mpistrategy.strategy.failures.STOPPED_EXIT_CODE`); 1 failed.
+Exit codes: 0 finished; 75 stopped by SIGUSR1/SIGTERM after a checkpoint (:data:`STOPPED_EXIT_CODE
+<mpistrategy.strategy.failures.STOPPED_EXIT_CODE>`; the log's last line is the command that resumes: the same
+command with ``hydra.run.dir=<the run dir>``, or ``hydra.sweep.dir=<the sweep dir>`` for ``-m``); 1 failed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shlex
 import stat
 import sys
 import traceback
@@ -189,7 +191,7 @@ def train(cfg: DictConfig) -> float | None:
             run.trainer.test(run.model, datamodule=run.datamodule)
     except BaseException as exc:
         if failures.is_coordinated_stop(exc):
-            _log_stop(run)
+            _log_stop(run, output_dir)
         elif isinstance(exc, Exception) and not failures.raised_on_every_rank(exc):
             failures.abort(exc)  # other ranks may be inside a collective; returns only with one rank
         raise
@@ -225,20 +227,55 @@ def train(cfg: DictConfig) -> float | None:
     return metrics.get(cfg.objective)
 
 
-def _log_stop(run: Any) -> None:
+def _log_stop(run: Any, output_dir: Path) -> None:
     """Every rank stopped together on a stop signal (mpi_ad, or the preemption callback), after a checkpoint; the
-    stop exception then ends the program with exit code 75."""
+    stop exception then ends the program with exit code 75. The log says how the run resumes."""
     from mpistrategy.strategy import failures
 
     preemption = run.callbacks.get("preemption")
-    requeued = bool(preemption is not None and getattr(preemption, "requeued", False))
+    if preemption is not None and getattr(preemption, "requeued", False):
+        how = "the requeued SLURM job resumes in the same run dir"
+    else:
+        command = resume_command()
+        ranks = hydra_mpi.size()
+        launch = f" on {ranks} ranks again (mpiexec -n {ranks} or the job's launcher)" if ranks > 1 else ""
+        how = f"to resume, run{launch}: {command}" if command else f"to resume, rerun it with the run dir {output_dir}"
+    if hydra_mpi.rank() != 0:
+        return
     log.warning(
-        "all ranks stopped at step %d on a stop signal%s; exit code %d: running the same command in the same run "
-        "dir resumes from the checkpoint",
+        "all ranks stopped at step %d on a stop signal; exit code %d; %s",
         run.trainer.global_step,
-        " (SLURM job requeued)" if requeued else "",
         failures.STOPPED_EXIT_CODE,
+        how,
     )
+
+
+_RUN_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")
+_PROGRAMS = {"mpistrategy-train": ["mpistrategy-train"], "train.py": ["python", "-m", "mpistrategy.recipes.train"]}
+
+
+def resume_command(argv: list[str] | None = None) -> str | None:
+    """The command that resumes this stopped Hydra run: ``argv`` (default ``sys.argv``) with the run dir named as
+    an absolute path, ``hydra.run.dir=<run dir>``, or ``hydra.sweep.dir=<sweep dir>`` for a multirun (the same
+    overrides, ``-m`` included). Outside Hydra, None; for another program (a launcher's), ``<the same command>``
+    stands for it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    argv = list(sys.argv if argv is None else argv)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        key, folder = "hydra.sweep.dir", hc.sweep.dir
+    else:
+        key, folder = "hydra.run.dir", hc.runtime.output_dir
+    run_dir = shlex.quote(f"{key}={Path(folder).resolve()}")
+    program = _PROGRAMS.get(Path(argv[0]).name) if argv else None
+    if program is None:
+        return f"<the same command> {run_dir}"
+    args = [a for a in argv[1:] if a.lstrip("+").split("=", 1)[0] not in _RUN_DIR_KEYS]
+    return f"{shlex.join([*program, *args])} {run_dir}"
 
 
 _hydra_main = hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_PACKAGE}", config_name="config")(train)
@@ -282,4 +319,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["main", "train", "resume_checkpoint"]
+__all__ = ["main", "train", "resume_checkpoint", "resume_command"]

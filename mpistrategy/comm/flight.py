@@ -106,14 +106,37 @@ def install_signal_handler() -> None:
 # ------------------------------------------------------------------------------------------------------ compare
 
 
+class FlightRecordError(ValueError):
+    """A ``rank*.json`` file that is not a flight record (not JSON, or not what :func:`dump` writes)."""
+
+
+_RECORD_KEYS = {"rank": int, "size": int, "host": str, "pid": int, "reason": str, "calls": list}
+_CALL_KEYS = ("call", "site", "count", "communicator")
+
+
 def load(directory: Path) -> dict[int, dict[str, Any]]:
-    """Every rank's flight record in ``directory``, by rank."""
+    """Every rank's flight record in ``directory``, by rank. Raises :class:`FlightRecordError` naming the first
+    file that is not a flight record."""
     records = {}
     for path in sorted(directory.glob("rank*.json")):
-        with path.open(encoding="utf-8") as file:
-            found = json.load(file)
-        records[int(found["rank"])] = found
+        try:
+            with path.open(encoding="utf-8") as file:
+                found = json.load(file)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FlightRecordError(f"{path}: not a flight record (not JSON: {exc})") from exc
+        records[_checked(found, path)["rank"]] = found
     return records
+
+
+def _checked(found: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(found, dict):
+        raise FlightRecordError(f"{path}: not a flight record (a JSON {type(found).__name__}, not an object)")
+    wrong = [key for key, kind in _RECORD_KEYS.items() if not isinstance(found.get(key), kind)]
+    if not wrong and any(not isinstance(c, dict) or any(k not in c for k in _CALL_KEYS) for c in found["calls"]):
+        wrong = ["calls"]
+    if wrong:
+        raise FlightRecordError(f"{path}: not a flight record (missing or wrong: {', '.join(wrong)})")
+    return found
 
 
 def _shown(call: dict[str, Any] | None) -> str:
@@ -174,7 +197,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("directory", nargs="?", default=str(flight_directory()), help="default: %(default)s")
     arguments = parser.parse_args(argv)
-    records = load(Path(arguments.directory))
+    directory = Path(arguments.directory)
+    if directory.exists() and not directory.is_dir():
+        print(
+            f"mpistrategy-flight: {directory} is not a directory (give the folder of the rank*.json files)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        records = load(directory)
+    except (FlightRecordError, OSError) as exc:
+        print(f"mpistrategy-flight: {exc}", file=sys.stderr)
+        return 2
     if not records:
         print(f"no flight records (rank*.json) in {arguments.directory}", file=sys.stderr)
         return 2

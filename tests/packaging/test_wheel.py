@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs.test_links import PAGES, _links
 from tests.mpi_harness import clean_environ
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +176,30 @@ def test_the_sdist_holds_the_configs_the_recipes_the_templates_and_the_license(d
     wanted |= {str(p.relative_to(ROOT)) for p in (ROOT / "slurm").iterdir() if p.is_file()}
     wanted |= {"LICENSE", "CHANGELOG.md", "CONTRIBUTING.md", "README.md", "pyproject.toml", "tests/mpi_harness.py"}
     assert wanted <= names, sorted(wanted - names)
+
+
+def _results_the_docs_name() -> set[str]:
+    """The files under ``benchmarks/results`` that the documentation pages name (a named folder: all its files),
+    relative to the repository."""
+    results = ROOT / "benchmarks" / "results"
+    named: set[str] = set()
+    for page in PAGES:
+        for target, base in _links(page):
+            path = (base / target.partition("#")[0]).resolve()
+            if path != results and path.is_relative_to(results):
+                found = path.rglob("*") if path.is_dir() else [path]
+                named |= {str(p.relative_to(ROOT)) for p in found if p.is_file()}
+    return named
+
+
+def test_the_sdist_ships_the_results_the_docs_name_and_no_others(dist: Dist) -> None:
+    """Its docs build and tests/docs pass from the unpacked sdist; the other results stay out (MANIFEST.in)."""
+    with tarfile.open(dist.sdist) as sdist:
+        names = {m.name.split("/", 1)[1] for m in sdist.getmembers() if m.isfile() and "/" in m.name}
+    wanted = _results_the_docs_name()
+    assert wanted and wanted <= names, sorted(wanted - names)
+    shipped = {name for name in names if name.startswith("benchmarks/results/")}
+    assert shipped <= wanted, f"results no page names: {sorted(shipped - wanted)}"
 
 
 def test_the_core_install_runs_the_collectives_without_lightning_or_hydra(venv: Venv) -> None:

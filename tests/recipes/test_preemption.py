@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 
 import mpistrategy.recipes.hydra_mpi  # noqa: F401
 from mpistrategy.recipes.config import register_configs
-from mpistrategy.recipes.train import CONFIG_DIR, train
+from mpistrategy.recipes.train import CONFIG_DIR, resume_command, train
 from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
 from tests.strategy.helpers import shared_tmpdir
 
@@ -134,3 +134,38 @@ def test_with_another_strategy_the_preemption_callback_stops_and_the_rerun_finis
         steps = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss_step")]
     assert min(steps) < 30 < max(steps), steps
     assert max(steps) >= 3 * steps_per_epoch - 5
+
+
+def _as_hydra_run(run_dir: Path, sweep_dir: Path, mode: str) -> None:
+    """Make a composed config with these directories the running Hydra job's (``mode`` ``RUN`` or ``MULTIRUN``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra.mode={mode}"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+        cfg.hydra.sweep.dir = str(sweep_dir)
+    HydraConfig.instance().set_config(cfg)
+
+
+def test_the_resume_command_is_the_same_command_in_the_stopped_run_dir(tmp_path: Path) -> None:
+    """What the log's last line gives after a stop: the command with the run dir (a sweep's dir under -m) named."""
+    from hydra.core.hydra_config import HydraConfig
+
+    run, sweep = tmp_path / "run", tmp_path / "sweep"
+    try:
+        _as_hydra_run(run, sweep, "RUN")
+        command = resume_command(["/venv/bin/mpistrategy-train", "trainer.max_epochs=2", "hydra.run.dir=relative"])
+        assert command == f"mpistrategy-train trainer.max_epochs=2 hydra.run.dir={run}"
+        assert resume_command(["recipes/train.py", "model.hidden=32"]) == (
+            f"python -m mpistrategy.recipes.train model.hidden=32 hydra.run.dir={run}"
+        )
+        _as_hydra_run(run, sweep, "MULTIRUN")
+        assert resume_command(["mpistrategy-train", "-m", "model.hidden=32,64"]) == (
+            f"mpistrategy-train -m model.hidden=32,64 hydra.sweep.dir={sweep}"
+        )
+    finally:
+        HydraConfig.instance().cfg = None  # no Hydra job runs in the tests that follow
+    assert not HydraConfig.initialized()
