@@ -175,3 +175,17 @@ def test_a_rank_that_cannot_answer_is_named_and_aborted(tmp_path: Path) -> None:
         assert "did not answer: rank 2 (gone, or holding the GIL in a C call" in report
         assert "rank 2: did not answer" in report
     assert "stall (reported on rank 2)" not in output
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [("{not json", "not JSON"), ("[1, 2]", "a JSON list, not an object"), ('{"rank": 0}', "missing or wrong: size")],
+)
+def test_the_flight_tool_refuses_a_file_that_is_no_flight_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, problem: str
+) -> None:
+    (tmp_path / "rank0.json").write_text(content)
+    assert flight_main([str(tmp_path)]) == 2
+    assert f"mpistrategy-flight: {tmp_path / 'rank0.json'}: not a flight record ({problem}" in capsys.readouterr().err
+    assert flight_main([str(tmp_path / "rank0.json")]) == 2
+    assert "is not a directory (give the folder of the rank*.json files)" in capsys.readouterr().err
