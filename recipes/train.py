@@ -232,6 +232,8 @@ def _log_stop(run: Any, output_dir: Path) -> None:
     stop exception then ends the program with exit code 75. The log says how the run resumes."""
     from mpistrategy.strategy import failures
 
+    if hydra_mpi.rank() != 0:
+        return
     preemption = run.callbacks.get("preemption")
     if preemption is not None and getattr(preemption, "requeued", False):
         how = "the requeued SLURM job resumes in the same run dir"
@@ -240,8 +242,6 @@ def _log_stop(run: Any, output_dir: Path) -> None:
         ranks = hydra_mpi.size()
         launch = f" on {ranks} ranks again (mpiexec -n {ranks} or the job's launcher)" if ranks > 1 else ""
         how = f"to resume, run{launch}: {command}" if command else f"to resume, rerun it with the run dir {output_dir}"
-    if hydra_mpi.rank() != 0:
-        return
     log.warning(
         "all ranks stopped at step %d on a stop signal; exit code %d; %s",
         run.trainer.global_step,

@@ -45,10 +45,7 @@ class Communicator:
         self.fingerprint = np.zeros(FINGERPRINT_LENGTH, dtype=np.int64)
         self.agreement = np.zeros(2, dtype=np.int64)
         self.calls = 0  # collectives this process called on it (see calls.enter)
-        group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        self.channel = calls.register(tuple(MPI.Group.Translate_ranks(group, list(range(self.size)), world_group)))
-        group.Free()
-        world_group.Free()
+        self.channel = calls.register(world_ranks(comm))
         with _lock:
             _registry[_key(comm)] = self
 
@@ -62,6 +59,16 @@ _lock = threading.Lock()
 
 def _key(comm: MPI.Comm) -> int:
     return comm.py2f()
+
+
+def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:
+    """The world rank of every rank of ``comm``, in ``comm``'s order."""
+    world_group, group = MPI.COMM_WORLD.Get_group(), comm.Get_group()
+    try:
+        return tuple(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world_group))
+    finally:
+        group.Free()
+        world_group.Free()
 
 
 def world() -> Communicator:

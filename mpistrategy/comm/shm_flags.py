@@ -32,8 +32,9 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
+from mpistrategy.comm.communicator import world_ranks
 from mpistrategy.comm.errors import CommunicationError
-from mpistrategy.comm.shm_window import Segment, allocate, world_ranks
+from mpistrategy.comm.shm_window import Segment, allocate
 
 #: counter words (indices of 32-bit words, 64 bytes apart)
 ARRIVED, REDUCED, DONE, CHECKED = 0, 16, 32, 48

@@ -26,6 +26,7 @@ import threading
 import torch
 from mpi4py import MPI
 
+from mpistrategy.comm.communicator import world_ranks
 from mpistrategy.comm.references import HolderCheck
 
 #: every part starts on a page boundary (and so on a cache line: no false sharing between ranks)
@@ -37,16 +38,6 @@ _OWN_PART = HolderCheck(own_tensors=1)  # a segment keeps one tensor on each par
 SHM_DIRECTORY = "/dev/shm"
 
 log = logging.getLogger(__name__)
-
-
-def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:
-    """The world rank of every rank of ``comm``, in ``comm``'s order."""
-    world_group, group = MPI.COMM_WORLD.Get_group(), comm.Get_group()
-    try:
-        return tuple(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world_group))
-    finally:
-        group.Free()
-        world_group.Free()
 
 
 @functools.cache

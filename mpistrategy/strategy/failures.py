@@ -43,6 +43,7 @@ from mpi4py import MPI
 
 from mpistrategy.comm import calls, flight
 from mpistrategy.comm.abort import abort_job
+from mpistrategy.comm.communicator import world_ranks
 
 # The launcher forwards each rank's output through a pipe and stops forwarding when Abort tears the job down:
 # without a pause the traceback just written could be lost (seen once in ~40 runs of the failure tests).
@@ -262,10 +263,7 @@ class StopSignals:
         self._result = np.zeros(1, dtype=np.int64)
         self._request: MPI.Request | None = None
         self._posted = False
-        group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        self._channel = calls.register(
-            tuple(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world_group))
-        )
+        self._channel = calls.register(world_ranks(comm))
 
     def install(self) -> None:
         """Take over the signals (replacing the handlers Lightning installed, which would stop one rank alone)."""

@@ -13,7 +13,7 @@ calls, instead of pairing its message with the wrong call; the flight recorder a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from mpistrategy.collectives.reduction import _allgather_front, allreduce
 from mpistrategy.comm import calls
 from mpistrategy.comm.buffers import mpi_buffer, off_wire, on_wire
-from mpistrategy.comm.checks import agree, attempt, check_rank
+from mpistrategy.comm.checks import check_rank, checked
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.strategy import failures
 
@@ -71,13 +71,24 @@ def all_gather(tensor: torch.Tensor, comm: Communicator, sync_grads: bool) -> to
         return allgather(source.contiguous().unsqueeze(0), 0, comm)
 
 
+def _signature(*local: object) -> tuple[tuple, None]:
+    """The local check of a control call without arguments to refuse: its signature is its arguments."""
+    return local, None
+
+
+def _root_signature(src: int, comm: Communicator) -> tuple[tuple, None]:
+    check_rank(src, comm, "broadcast", "src")
+    return (src,), None
+
+
 @contextlib.contextmanager
 def _checked(
-    on: Communicator, what: str, local: tuple = (), describe: str = "", problem: Exception | None = None
+    on: Communicator, what: str, describe: str = "", check: Callable[..., tuple] = _signature, *args: object
 ) -> Iterator[None]:
-    """A control call, registered and checked across ranks on ``on`` before the block sends anything (see the
-    module docstring); ``problem``: what this rank's own checks found, raised on every rank."""
-    agree(on, what, local, describe, problem)
+    """A control call, registered on ``on`` and checked across ranks there (``check(*args)``: this rank's checks
+    and the signature, see :func:`~mpistrategy.comm.checks.checked`) before the block sends anything (see the
+    module docstring)."""
+    checked(on, what, describe, check, *args)
     try:
         yield
     finally:
@@ -107,8 +118,7 @@ def broadcast_object(obj: Any, src: int, comm: MPI.Intracomm, checked_on: Commun
     """Rank ``src``'s ``obj`` (any picklable object, tensors included) on every rank."""
     if comm.Get_size() == 1:
         return obj
-    _, problem = attempt(check_rank, src, checked_on, "broadcast", "src")
-    with _checked(checked_on, "broadcast", (src,), "src", problem):
+    with _checked(checked_on, "broadcast", "src", _root_signature, src, checked_on):
         return comm.bcast(obj, root=src)
 
 
@@ -123,7 +133,7 @@ def reduce_boolean(decision: bool, every: bool, comm: MPI.Intracomm, checked_on:
     """``decision`` combined over the ranks: true where every rank's is (``every``), else where any rank's is."""
     if comm.Get_size() == 1:
         return bool(decision)
-    with _checked(checked_on, "reduce_boolean_decision", (every,), "all"):
+    with _checked(checked_on, "reduce_boolean_decision", "all", _signature, every):
         return bool(comm.allreduce(bool(decision), op=MPI.LAND if every else MPI.LOR))
 
 

@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from mpistrategy.comm import rank_sum
 from mpistrategy.comm.buffers import DTYPE_CODES, receive_buffer, same_memory
+from mpistrategy.comm.communicator import world_ranks
 from mpistrategy.comm.shm.operation import CHECKING, COMPLETE, RUNNING, Operation
 from mpistrategy.comm.shm.placement import Places, split
 from mpistrategy.comm.shm.plan import DEVICE, HOST, OVER_INPUT, WINDOW, WRITE_BACK, plan_allreduce
@@ -32,7 +33,7 @@ from mpistrategy.comm.shm.protocol import CounterProtocol, publish_descriptor
 from mpistrategy.comm.shm.settings import require_alike
 from mpistrategy.comm.shm.staging import Staging
 from mpistrategy.comm.shm_flags import ARRIVED, CHECKED, DONE, RING, Flags
-from mpistrategy.comm.shm_window import Segment, world_ranks
+from mpistrategy.comm.shm_window import Segment
 
 
 class SharedWork:
