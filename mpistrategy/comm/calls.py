@@ -172,6 +172,24 @@ last: Call | None = None
 _held: Call | None = None
 #: this process's collective calls per communicator id (see :func:`register`)
 counts: dict[int, int] = {}
+#: the evaluation pass (validation, test, predict) this process is in or ended last, as ``(stage, batches per
+#: dataloader, ended)``; ``None`` before one or once training goes on (see :func:`set_evaluation`)
+evaluation: tuple[str, tuple[float, ...], bool] | None = None
+
+
+def set_evaluation(stage: str | None, batches: Sequence[float] = ()) -> None:
+    """This process begins an evaluation pass ``stage`` over dataloaders of ``batches`` batches each (``inf`` for a
+    stream); ``None``: it is in none. The cross-rank check and the stall report compare the ranks' passes: the
+    per-batch collectives of ranks whose passes differ cannot pair up."""
+    global evaluation
+    evaluation = None if stage is None else (stage, tuple(float(count) for count in batches), False)
+
+
+def end_evaluation() -> None:
+    """The evaluation pass has ended; it stays recorded (a rank with fewer batches ends its pass first)."""
+    global evaluation
+    if evaluation is not None:
+        evaluation = (*evaluation[:2], True)
 
 
 def register(members: tuple[int, ...]) -> int:

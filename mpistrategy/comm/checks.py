@@ -45,6 +45,7 @@ from mpistrategy.comm.buffers import DTYPE_CODES
 from mpistrategy.comm.calls import Call
 from mpistrategy.comm.communicator import FINGERPRINT_LENGTH, Communicator
 from mpistrategy.comm.errors import CommunicationError, with_note
+from mpistrategy.comm.stall_report import uneven_evaluation
 
 _validation = os.environ.get("MPISTRATEGY_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
 _scoped: ContextVar[bool | None] = ContextVar("mpistrategy_validation", default=None)
@@ -334,8 +335,8 @@ def report(
         call = calls.last if calls.last is not None else calls.enter(comm, what, local, describe)
     previous = _previous_on(call)
     mine = (call.what, str(call), call.count, None if previous is None else str(previous), tuple(local or ()))
-    rows = comm.checks.allgather((mine, failure))
-    failed = [(rank, text) for rank, (_, text) in enumerate(rows) if text is not None]
+    rows = comm.checks.allgather((mine, failure, calls.evaluation))
+    failed = [(rank, text) for rank, (_, text, _) in enumerate(rows) if text is not None]
     if failed:
         ranks = ", ".join(str(rank) for rank, _ in failed)
         listing = "; ".join(f"on rank {rank}: {text}" for rank, text in failed)
@@ -344,7 +345,9 @@ def report(
             f"communicated ({listing})."
         )
     else:
-        error = CommunicationError(_disagreement(what, describe, [row for row, _ in rows]))
+        uneven = uneven_evaluation({rank: evaluation for rank, (_, _, evaluation) in enumerate(rows)})
+        message = _disagreement(what, describe, [row for row, _, _ in rows])
+        error = CommunicationError(message if uneven is None else f"{message} {uneven}")
     if problem is not None:
         raise with_note(problem, f"{what} raised this on rank {comm.rank}; every other rank raised too.") from error
     raise error

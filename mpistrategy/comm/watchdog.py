@@ -411,6 +411,7 @@ class Watchdog:
             "last": _call_state(calls.last),
             "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
             "entered": dict(self._entered),
+            "evaluation": calls.evaluation,
             "where": _innermost(frames),
             "now": _now_at(frames.get(threading.main_thread().ident or 0)),
             "stacks": stacks,

@@ -49,7 +49,7 @@ except ImportError:  # the core install has no Lightning
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
-from mpistrategy.comm import watchdog
+from mpistrategy.comm import calls, watchdog
 from mpistrategy.comm.stall_report import uneven_batches
 from mpistrategy.strategy import checkpoints, failures, random_state
 from mpistrategy.strategy.base import MPIStrategyBase
@@ -429,6 +429,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         coordinated stop, a corrupt checkpoint or a configuration error all ranks agreed on, or an error every rank
         raised in step within :data:`RAISED_TOGETHER_SECONDS` (an invalid hyperparameter of a sweep's point: the
         ranks are free to run the next point)."""
+        calls.set_evaluation(None)
         if failures.raised_on_every_rank(exception) or not self.abort_on_exception:
             return
         if watchdog.every_rank_raised(RAISED_TOGETHER_SECONDS):
@@ -445,7 +446,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Before each batch: the sync mode's epoch boundaries; then, for a training dataloader that is not
         resumable (its batch is fetched already), :meth:`_before_training_batch`; the watchdog learns where this
-        rank is in the pass."""
+        rank is in the pass. The evaluation pass recorded last is over."""
+        calls.set_evaluation(None)
         if self._engine is not None and self.lightning_module is not None:
             self._track_epoch(self.lightning_module.trainer)
         self._before_training_batch()
@@ -531,15 +533,37 @@ class MPIADStrategyMixin(MPIStrategyBase):
     def on_validation_start(self) -> None:
         """Validation in ``fit`` (the sanity check first) already turns stop signals into a coordinated stop, decided
         at the first training batch: a preemption there is not a failure of one rank."""
-        self._attach_metric_sync()
+        self._start_evaluation("validation")
         if self._fitting():
             self._install_stop_signals()
 
     def on_test_start(self) -> None:
-        self._attach_metric_sync()
+        self._start_evaluation("test")
 
     def on_predict_start(self) -> None:
+        self._start_evaluation("predict")
+
+    def _start_evaluation(self, stage: str) -> None:
+        """Sync torchmetrics' states through MPI; record the pass and its batches per dataloader, so that a
+        collective mismatch or a stall in it names ranks whose evaluation data differs."""
         self._attach_metric_sync()
+        trainer = self.lightning_module.trainer
+        if trainer.sanity_checking:
+            stage, batches = "sanity check", trainer.num_sanity_val_batches
+        else:
+            batches = {"validation": trainer.num_val_batches, "test": trainer.num_test_batches}.get(
+                stage, trainer.num_predict_batches
+            )
+        calls.set_evaluation(stage, batches)
+
+    def on_validation_end(self) -> None:
+        calls.end_evaluation()
+
+    def on_test_end(self) -> None:
+        calls.end_evaluation()
+
+    def on_predict_end(self) -> None:
+        calls.end_evaluation()
 
     def _check_stop(self, trainer: Any) -> None:
         """Between two optimizer steps, on every rank: stop together if any rank received a stop signal.

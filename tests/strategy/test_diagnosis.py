@@ -214,3 +214,42 @@ def test_healthy_epochs_whose_loader_ends_are_not_the_epochs_end_finish(case: st
     )
     assert code == 0 and "uneven training data" not in output, output[-4000:]
     assert output.count("FINISHED") == 2
+
+
+def test_uneven_validation_logged_per_step_names_each_ranks_batches(tmp_path: Path) -> None:
+    """Rank 0 has four validation batches, rank 1 three, and the loss is logged per step with ``sync_dist``: rank
+    0's fourth sync meets rank 1's sync at the end of the pass. Every rank's error names both calls and each rank's
+    validation batches, with the fix."""
+    code, output = _run("trainer", "uneven_validation", "flat", 2, tmp_path)
+    assert code == 1, output[-4000:]
+    errors = re.findall(r"CommunicationError: allreduce: ranks disagree on .*", output)
+    assert len(errors) == 2, output[-4000:]
+    for error in errors:
+        assert re.search(
+            r"The ranks' evaluation data differs \(rank 0: validation, 4 batches; rank 1: validation, 3 batches"
+            r"(, ended)?\)",
+            error,
+        ), error
+        assert "use_distributed_sampler=True" in error and "on_step=False, on_epoch=True" in error, error
+
+
+def test_uneven_validation_whose_short_rank_trains_on_is_reported_with_each_ranks_batches(tmp_path: Path) -> None:
+    """The last rank's validation has two batches, the others' three, each all-gathering its loss: the last rank
+    ends its pass and waits at the start of the next epoch while the others wait in their third gather (another
+    communicator, so the stall watchdog finds it). The report names each rank's pass."""
+    code, output = _run("trainer", "uneven_validation_gather", "flat", 3, tmp_path)
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    passes = "(rank 0: validation, 3 batches; rank 1: validation, 3 batches; rank 2: validation, 2 batches, ended)"
+    for rank in range(3):
+        report = output[output.index(f"stall (reported on rank {rank})") :]
+        assert f"The ranks' evaluation data differs {passes}" in report.split("[mpistrategy]")[0], report
+    assert re.search(rf"rank 0 \(.*\): waiting \d+\.\d s in allgather.* at \S*{_line_of('validation gather')}", output)
+
+
+def test_uneven_validation_logged_per_pass_finishes(tmp_path: Path) -> None:
+    """The same uneven validation data with the loss logged per pass only: one sync at the end, which pairs."""
+    code, output, _ = run_mpi_job(
+        SCRIPT, 2, "trainer", "uneven_validation_per_epoch", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == 0 and "evaluation data differs" not in output, output[-4000:]
+    assert output.count("FINISHED") == 2

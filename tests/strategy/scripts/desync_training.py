@@ -8,7 +8,11 @@ loader blocks in a C call at batch 2), "save_on_rank_zero" (rank 0 alone saves a
 ``HANG <time>`` marks when the case begins. Healthy cases that must finish: "cycled_stream" (a loader of four
 batches and a stream of two that Lightning cycles), "capped_stream" (a stream of four batches capped by
 limit_train_batches=10; rank 0 lingers at its last batch), "save_on_every_rank" (every rank saves at batch 1, the
-last one 1.5 s after the others).
+last one 1.5 s after the others). Uneven validation data (Trainer): "uneven_validation" (rank 0 has a validation
+batch more; the loss is logged per step with ``sync_dist=True``), "uneven_validation_gather" (the last rank has two
+validation batches, the others three; each batch all-gathers its loss; two epochs: after the first epoch's
+validation the last rank goes on to train while the others wait in their third gather),
+"uneven_validation_per_epoch" (as "uneven_validation", logged per pass only: healthy).
 """
 
 import os
@@ -31,6 +35,9 @@ RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 LATE = SIZE - 1
 SAMPLED = case == "skip_backward_sampled"
 BATCHES = SIZE * 4 if SAMPLED else 4 + (case == "extra_step" and RANK == 0)
+VAL_BATCHES = {"uneven_validation": 3 + (RANK == 0), "uneven_validation_per_epoch": 3 + (RANK == 0)}.get(
+    case, 2 if RANK == LATE else 3
+)
 CHECKPOINT = os.path.join(os.environ.get("MPISTRATEGY_FLIGHT_DIR", "."), "saved.ckpt")
 SYNCS = {
     "flat": FlatSync,
@@ -98,6 +105,16 @@ class Model(L.LightningModule):
         optimizer.step()
         optimizer.zero_grad()
 
+    def validation_step(self, batch, batch_idx: int) -> None:
+        if batch_idx == 0 and not self.trainer.sanity_checking:
+            say(f"HANG {time.time()}")
+        loss = self.layer(batch).square().mean()
+        if case == "uneven_validation_gather":
+            self.all_gather(loss)  # marker: validation gather
+        else:
+            per_step = case != "uneven_validation_per_epoch"
+            self.log("val_loss", loss, sync_dist=True, on_step=per_step, on_epoch=True)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -125,7 +142,7 @@ if framework == "trainer":
     trainer = L.Trainer(
         strategy=MPIADStrategy(**options),
         accelerator="cpu",
-        max_epochs=2 if case == "uneven_stream" else 1,
+        max_epochs=2 if case in ("uneven_stream", "uneven_validation_gather") else 1,
         limit_train_batches=10 if case == "capped_stream" else None,
         logger=False,
         enable_progress_bar=False,
@@ -133,7 +150,9 @@ if framework == "trainer":
         enable_checkpointing=False,
         use_distributed_sampler=SAMPLED,
     )
-    trainer.fit(Model(), loader())  # marker: fit
+    validation = "validation" in case
+    validation_data = DataLoader(Batches(), batch_size=None, sampler=range(VAL_BATCHES)) if validation else None
+    trainer.fit(Model(), loader(), validation_data)  # marker: fit
 else:
     from lightning.fabric import Fabric
 
