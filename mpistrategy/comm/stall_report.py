@@ -52,6 +52,8 @@ def format_report(
         ]
     elif trigger.get("skipped") is not None:
         lines = [_skipped_call(trigger["skipped"], trigger["rank"], rank)]
+    elif trigger.get("crossed") is not None:
+        lines = [_crossed_wait(trigger, rank)]
     else:
         lines = [
             f"[mpistrategy] stall (reported on rank {rank}): rank {trigger['rank']} has waited "
@@ -132,6 +134,27 @@ def _skipped_call(skipped: dict[str, Any], found_on: int, rank: int) -> str:
         f"{_position(skipped['at'])}; rank {went_on['rank']} {instead} without it ({skipped['entered']} such calls "
         "there). "
         f"{skipped['name']} is collective: {skipped['advice']}"
+    )
+
+
+def _on(call: dict[str, Any], other: dict[str, Any]) -> str:
+    members = ", ".join(map(str, call["members"]))
+    same = "another " if call["members"] == other["members"] else "a "
+    return f"{call['call']} #{call['count']} at {call['site']} (on {same}communicator of world ranks {members})"
+
+
+def _crossed_wait(trigger: dict[str, Any], rank: int) -> str:
+    """The first line of the report of two ranks waiting in collectives on different communicators, each in the
+    other's."""
+    mine, theirs, peer = trigger["call"], trigger["crossed"]["call"], trigger["crossed"]["rank"]
+    first, second = sorted([(trigger["rank"], mine, theirs), (peer, theirs, mine)], key=lambda item: item[0])
+    return (
+        f"[mpistrategy] ranks wait for each other in different collectives (found on rank {trigger['rank']}, "
+        f"reported on rank {rank}): rank {first[0]} waits in {_on(first[1], first[2])}, which rank {second[0]} has "
+        f"not entered; rank {second[0]} waits in {_on(second[1], first[1])}, which rank {first[0]} has not entered. "
+        "Neither call can complete: every rank must make the same collective calls in the same order (a call made "
+        "under a rank condition, such as `if trainer.is_global_zero:`, or a branch on data that differs between "
+        "ranks, is missing on the others)."
     )
 
 

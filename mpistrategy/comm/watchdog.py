@@ -28,6 +28,13 @@ rank that starts a later batch, or ends its script, without having entered it ra
 report names the call, the rank and line that made it, and what the others did instead. A rank that waits
 elsewhere meanwhile (in the same batch) is found by the stall timeout, and the report names the call there too.
 
+Two ranks that wait in collectives on different communicators, each a member of the other's, neither having
+entered the other's call (a rank that made an ``all_gather`` under ``if trainer.is_global_zero:`` while the others
+wait in the gradient sync), wait for each other forever: a rank that has waited :data:`_CROSS_GRACE` seconds in a
+call tells every other rank's watchdog which, with its collective counts; a rank that waits as long and learns of
+such a peer raises the alarm, and the report names both calls. No timeout is needed for that proof, only the grace
+(longer than that of a skipped call, which names the cause more precisely where both apply).
+
 When a rank raises, :func:`every_rank_raised` tells the others on the same channel and waits a few seconds to hear
 that they raised too, in step (the same number of collectives on every communicator of all ranks): then no rank
 waits for another, and the job need not be aborted (the next point of a sweep can run).
@@ -69,10 +76,12 @@ ACTIONS = ("abort", "warn")
 
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
-_ALARM, _STATE, _WRITTEN, _DATA_END, _ENTERED, _RAISED = 1, 2, 3, 4, 5, 6
+_ALARM, _STATE, _WRITTEN, _DATA_END, _ENTERED, _RAISED, _WAITING = 1, 2, 3, 4, 5, 6, 7
 # How long a rank may wait in mpistrategy, knowing that a peer entered a call every rank must make, before it is
 # found to have gone on without the call (the collectives the peer had passed end within moments).
 _SKIP_GRACE = 5.0
+# How long a rank waits in a collective before it tells the others which (and compares their waits with its own).
+_CROSS_GRACE = 2 * _SKIP_GRACE
 # How many recent training passes a watchdog keeps the batch counts of.
 _PASSES_KEPT = 8
 # The launcher forwards a report's output before it tears the job down within this time.
@@ -157,6 +166,10 @@ class Watchdog:
         self._entered: dict[str, int] = {}
         self._unmatched: list[dict[str, Any]] = []
         self._skip_reported = False
+        # the collective each peer said it waits in, with its counts; the wait of this rank told last (its key)
+        self._peer_waits: dict[int, dict[str, Any]] = {}
+        self._told_wait = -1
+        self._cross_reported = False
         self._thread = threading.Thread(target=self._run, name="mpistrategy-watchdog", daemon=True)
         self._thread.start()
 
@@ -193,7 +206,7 @@ class Watchdog:
             trigger = self._received_alarm()
             if trigger is None and _timeout > 0:
                 since = self._waiting_since() if self._ended is None else None
-                trigger = self._uneven_data() or self._skipped_call(since)
+                trigger = self._uneven_data() or self._skipped_call(since) or self._crossed_wait(since)
                 if trigger is None and since is not None:
                     trigger = self._own_stall(since)
             if trigger is not None:
@@ -339,6 +352,35 @@ class Watchdog:
                 return self._alarm(
                     0.0, skipped={**entry, "went_on": went_on, "entered": self._entered.get(entry["name"], 0)}
                 )
+        return None
+
+    def _crossed_wait(self, since: float | None) -> dict[str, Any] | None:
+        """The alarm of a rank that waits in a collective on one communicator while a member of it waits in one on
+        another communicator, of which this rank is a member, neither having entered the other's call (sent to
+        every rank), else ``None``; once. Each side has waited :data:`_CROSS_GRACE` seconds; a peer's wait is
+        still on while this rank has not entered the peer's call (the call needs it)."""
+        for peer, wait in self._arrived(_WAITING):
+            self._peer_waits[peer] = wait
+        current = calls.current
+        if since is None or current is None or self._cross_reported or time.time() - since <= _CROSS_GRACE:
+            return None
+        mine = _call_state(current)
+        assert mine is not None
+        own_counts = {calls.key(channel): count for channel, count in calls.counts.items()}
+        if self._told_wait != self._watched_key:
+            self._told_wait = self._watched_key
+            self._tell_others({"call": mine, "counts": own_counts}, _WAITING)
+        for peer, wait in sorted(self._peer_waits.items()):
+            theirs = wait["call"]
+            if (
+                theirs["key"] != mine["key"]
+                and peer in mine["members"]
+                and self.rank in theirs["members"]
+                and wait["counts"].get(mine["key"], 0) < mine["count"]
+                and own_counts.get(theirs["key"], 0) < theirs["count"]
+            ):
+                self._cross_reported = True
+                return self._alarm(time.time() - since, crossed={"rank": peer, "call": theirs})
         return None
 
     def _alarm(self, waited: float, **cause: Any) -> dict[str, Any]:

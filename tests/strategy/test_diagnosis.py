@@ -253,3 +253,30 @@ def test_uneven_validation_logged_per_pass_finishes(tmp_path: Path) -> None:
     )
     assert code == 0 and "evaluation data differs" not in output, output[-4000:]
     assert output.count("FINISHED") == 2
+
+
+@pytest.mark.parametrize(("framework", "ranks"), [("trainer", 2), ("fabric", 3)])
+def test_a_gather_on_rank_zero_only_is_reported_long_before_the_stall_timeout(
+    framework: str, ranks: int, tmp_path: Path
+) -> None:
+    """Rank 0 alone all-gathers its loss before the backward pass; the others wait in the gradient sync (another
+    communicator, so no fingerprint check meets both). With the stall timeout at its default (300 s), the ranks
+    find that each waits in a call the other has not entered, and every rank names both calls within seconds."""
+    code, output, ended = run_mpi_job(
+        SCRIPT, ranks, framework, "gather_on_rank_zero", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - began < 60, f"ended {ended - began:.1f} s after rank 0 began to gather"
+    gather = re.escape(_line_of("gather" if framework == "trainer" else "fabric gather"))
+    pass_name = "training batch" if framework == "trainer" else "backward pass"
+    for rank in range(ranks):
+        assert re.search(
+            rf"ranks wait for each other in different collectives \(found on rank \d, reported on rank {rank}\): "
+            rf"rank 0 waits in allgather\(float32\[1\], dim=0\) #\d+ at \S*{gather} \(on another communicator of "
+            rf"world ranks [\d, ]+\), which rank [1-9] has not entered; rank [1-9] waits in gradient "
+            rf"sync\({pass_name}=1\) #\d+ at \S+ \(on another communicator of world ranks [\d, ]+\), which rank 0 has "
+            r"not entered\. Neither call can complete",
+            output,
+        ), output[-4000:]
+    assert "`if trainer.is_global_zero:`" in output and "FINISHED" not in output

@@ -4,7 +4,8 @@ argv: framework ("trainer" or "fabric"), case, sync mode. Cases: "skip_backward"
 the optimizer step of batch 1; "skip_backward_sampled": it skips the backward pass only, and reads its batches
 through Lightning's DistributedSampler), "extra_step" (rank 0 has one batch more), "uneven_stream" (an
 IterableDataset that gives the last rank two batches more per epoch, two epochs), "loader_hang" (the last rank's data
-loader blocks in a C call at batch 2), "save_on_rank_zero" (rank 0 alone saves a checkpoint at batch 1).
+loader blocks in a C call at batch 2), "save_on_rank_zero" (rank 0 alone saves a checkpoint at batch 1),
+"gather_on_rank_zero" (rank 0 alone all-gathers its loss at batch 1, before the backward pass).
 ``HANG <time>`` marks when the case begins. Healthy cases that must finish: "cycled_stream" (a loader of four
 batches and a stream of two that Lightning cycles), "capped_stream" (a stream of four batches capped by
 limit_train_batches=10; rank 0 lingers at its last batch), "save_on_every_rank" (every rank saves at batch 1, the
@@ -101,6 +102,8 @@ class Model(L.LightningModule):
             return  # marker: skip
         if batch_idx == 1 and saves():
             self.trainer.save_checkpoint(CHECKPOINT)  # marker: save
+        if batch_idx == 1 and gathers():
+            self.all_gather(loss)  # marker: gather
         self.manual_backward(loss)  # marker: manual backward
         optimizer.step()
         optimizer.zero_grad()
@@ -127,6 +130,14 @@ def saves() -> bool:
     if case == "save_on_every_rank" and RANK == LATE:
         time.sleep(1.5)
     return case == "save_on_every_rank"
+
+
+def gathers() -> bool:
+    """Whether this rank alone all-gathers at batch 1 (rank 0 under "gather_on_rank_zero")."""
+    if case == "gather_on_rank_zero" and RANK == 0:
+        say(f"HANG {time.time()}")
+        return True
+    return False
 
 
 def loader() -> DataLoader | dict[str, DataLoader]:
@@ -168,6 +179,8 @@ else:
         if index == 1 and saves():
             fabric.save(CHECKPOINT, {"model": model, "optimizer": optimizer})  # marker: fabric save
         loss = model(batch).square().mean()
+        if index == 1 and gathers():
+            fabric.all_gather(loss)  # marker: fabric gather
         fabric.backward(loss)  # marker: backward
         optimizer.step()
         optimizer.zero_grad()
