@@ -24,6 +24,7 @@ from mpistrategy.collectives.gather import _blocks, check_along, check_sizes, ra
 from mpistrategy.comm.buffers import empty_on_wire, off_wire, on_wire
 from mpistrategy.comm.checks import agree, agreeing, attempt, checked, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
+from mpistrategy.comm.errors import CommunicationError
 
 
 def _alltoall_front(
@@ -75,7 +76,7 @@ def _alltoall_arguments(tensor: torch.Tensor, dim: int, comm: Communicator) -> t
             f"alltoall: dimension {normalised} has length {length}, not divisible by the {comm.size} ranks; "
             "use alltoall_v for blocks of other sizes."
         )
-    return signature(tensor, grad_flag(tensor), dim), (normalised, length // comm.size)
+    return signature(tensor, grad_flag(tensor), normalised), (normalised, length // comm.size)
 
 
 def _exchange_counts(comm: Communicator, send_sizes: list[int] | None) -> list[int]:
@@ -112,19 +113,35 @@ def alltoall_v(
     comm = resolve(comm)
     checked_sizes, problem = attempt(_alltoall_v_arguments, tensor, send_sizes, recv_sizes, dim, comm)
     local, dim, sends, receives = checked_sizes if checked_sizes is not None else ((), 0, None, None)
-    learned: list[int] | None = None
-    if recv_sizes is None or agreeing(comm):
-        learned = _exchange_counts(comm, sends)
-        if problem is None and receives is not None and min(learned) >= 0 and learned != receives:
-            problem = ValueError(
-                f"{what}: recv_sizes={receives}, but the ranks send {learned} to rank {comm.rank}; pass the sizes "
-                "they send (or leave recv_sizes out to learn them)."
-            )
     describe = "dtype, shape (but along dim), requires_grad, dim, use of recv_sizes"
-    agree(comm, what, local, describe, problem, deferred=learned is not None)
-    if learned is not None:
-        raise_if_flagged(learned, what, problem)
+    agree(comm, what, local, describe, problem, deferred=recv_sizes is None)
+    if recv_sizes is not None and not agreeing(comm):
+        return _Alltoall.apply(tensor, sends, receives, dim, comm)
+    learned = _exchange_counts(comm, sends)
+    raise_if_flagged(learned, what, problem)  # validation off: a rank whose checks failed sent -1
+    if receives is not None:
+        _check_receives(comm, receives, learned)
     return _Alltoall.apply(tensor, sends, receives if receives is not None else learned, dim, comm)
+
+
+def _check_receives(comm: Communicator, receives: list[int], learned: list[int]) -> None:
+    """Validation on, ``recv_sizes`` given: raise on every rank unless every rank's ``recv_sizes`` are what the
+    ranks send it (``learned``), by one allgather of a flag on the checks channel (after the op's check, so the
+    ranks are in the same call)."""
+    wrong = receives != learned
+    flags = np.empty(comm.size, dtype=np.int64)
+    comm.checks.Allgather(np.array([int(wrong)], dtype=np.int64), flags)
+    if wrong:
+        raise ValueError(
+            f"alltoall_v: recv_sizes={receives}, but the ranks send {learned} to rank {comm.rank}; pass the sizes "
+            "they send (or leave recv_sizes out to learn them)."
+        )
+    flagged = [other for other, flag in enumerate(flags.tolist()) if flag]
+    if flagged:
+        raise CommunicationError(
+            f"alltoall_v: the recv_sizes of rank(s) {flagged} differ from what the ranks send them (see the error "
+            "raised there); nothing was sent."
+        )
 
 
 def _alltoall_v_arguments(
@@ -143,5 +160,5 @@ def _alltoall_v_arguments(
                 f"{what}: recv_sizes[{comm.rank}]={receives[comm.rank]}, but this rank sends itself "
                 f"send_sizes[{comm.rank}]={sends[comm.rank]} slices; they must be equal."
             )
-    local = signature(tensor, grad_flag(tensor), dim, int(recv_sizes is not None), skip_dim=normalised)
+    local = signature(tensor, grad_flag(tensor), normalised, int(recv_sizes is not None), skip_dim=normalised)
     return local, normalised, sends, receives

@@ -45,7 +45,7 @@ from mpistrategy.comm.buffers import (
     on_wire,
     receive_device,
 )
-from mpistrategy.comm.checks import agree, attempt, check_dim, check_rank, grad_flag, signature
+from mpistrategy.comm.checks import agree, attempt, check_dim, check_rank, grad_flag, is_integer, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.errors import CommunicationError
 from mpistrategy.comm.metadata import exchange_meta, header_of
@@ -103,8 +103,8 @@ def _scatter_front(
 
 
 def check_dim_argument(dim: object, what: str) -> None:
-    """Raise unless ``dim`` is an int."""
-    if not isinstance(dim, int) or isinstance(dim, bool):
+    """Raise unless ``dim`` is an integer (see :func:`~mpistrategy.comm.checks.is_integer`)."""
+    if not is_integer(dim):
         raise TypeError(f"{what}: dim must be an int, got {dim!r}.")
 
 
@@ -189,7 +189,7 @@ def _prepare_along(
                 gathered = list(shape)
                 gathered[normalised] *= comm.size
                 check_out(out, recorded, what, torch.Size(gathered), dtype)
-            return (dtype, shape, recorded, dim, *extra), normalised, length, None  # signature(), built inline
+            return (dtype, shape, recorded, normalised, *extra), normalised, length, None  # signature(), built inline
         known = None if sizes is None else check_sizes(sizes, comm.size, what)
         if known is not None and known[comm.rank] != length:
             raise ValueError(
@@ -197,7 +197,7 @@ def _prepare_along(
                 f"dim {normalised}; pass the same sizes on every rank, sizes[r] being rank r's length."
             )
         listed = (-1,) if known is None else (len(known), *known)
-        return signature(tensor, recorded, dim, *extra, *listed, skip_dim=normalised), normalised, length, known
+        return signature(tensor, recorded, normalised, *extra, *listed, skip_dim=normalised), normalised, length, known
 
     result, problem = attempt(local_checks)
     local, normalised, length, known = result if result is not None else ((), 0, -1, None)

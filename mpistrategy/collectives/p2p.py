@@ -82,7 +82,7 @@ from mpistrategy.collectives._function import CollectiveFunction
 from mpistrategy.collectives._second_order import refuse_if_recording
 from mpistrategy.collectives.handles import Handle, Link, Pending
 from mpistrategy.collectives.placeholder import Placeholder, anchor
-from mpistrategy.comm.checks import attempt, check_rank
+from mpistrategy.comm.checks import attempt, check_rank, is_integer
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.errors import CommunicationError
 from mpistrategy.comm.metadata import HEADER_LENGTH
@@ -93,7 +93,7 @@ from mpistrategy.comm.metadata import HEADER_LENGTH
 
 def _check_tag(tag: int, comm: Communicator, what: str) -> None:
     bound = wire.tag_bound(comm)
-    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= bound:
+    if not is_integer(tag) or not 0 <= tag <= bound:
         raise ValueError(
             f"{what}: tag={tag!r} is not a valid tag; pass an int between 0 and {bound} (MPI_TAG_UB of this "
             "communicator). MPI.ANY_TAG is not supported."
@@ -101,7 +101,7 @@ def _check_tag(tag: int, comm: Communicator, what: str) -> None:
 
 
 def _check_peer(peer: int, comm: Communicator, what: str, role: str) -> None:
-    if role == "src" and isinstance(peer, int) and not isinstance(peer, bool) and peer == MPI.ANY_SOURCE:
+    if role == "src" and is_integer(peer) and peer == MPI.ANY_SOURCE:
         raise ValueError(
             f"{what}: {role}=MPI.ANY_SOURCE is not supported (the gradient must go back to a rank known when the "
             f"receive is posted); pass the sending rank, between 0 and {comm.size - 1}."

@@ -261,14 +261,27 @@ NATIVE_REDUCTIONS: dict[tuple[torch.dtype, str], MPI.Op] = {
 }
 
 
+def materialized(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with torch's lazy conjugate and negative bits applied (a copy only when one is set): the memory of
+    ``x.conj()`` holds ``x``'s values, which MPI, reading memory, would send unconjugated."""
+    return tensor.resolve_conj().resolve_neg()
+
+
+def _holds_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds its values (no lazy conjugate or negative bit)."""
+    return not tensor.is_conj() and not tensor.is_neg()
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A contiguous host tensor whose memory holds its values."""
+    return tensor.is_cpu and tensor.is_contiguous() and _holds_values(tensor)
+
+
 def host_ready(tensor: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-    """Whether MPI can use ``tensor``'s memory as it is (a contiguous host tensor), and ``out``'s, when given,
-    to receive a result of ``tensor``'s shape and dtype: the fast path of the ops, with no staging or copies."""
-    if not (tensor.is_cpu and tensor.is_contiguous()):
-        return False
-    return out is None or (
-        out.dtype == tensor.dtype and out.shape == tensor.shape and out.is_cpu and out.is_contiguous()
-    )
+    """Whether MPI can use ``tensor``'s memory as it is (a contiguous host tensor whose memory holds its values),
+    and ``out``'s, when given, to receive a result of ``tensor``'s shape and dtype: the fast path of the ops, with
+    no staging or copies."""
+    return _plain(tensor) and (out is None or (out.dtype == tensor.dtype and out.shape == tensor.shape and _plain(out)))
 
 
 _from_address = MPI.buffer.fromaddress
@@ -279,6 +292,8 @@ def mpi_buffer(tensor: torch.Tensor) -> list:
 
     The tensor must live on the host, or on a device when MPI is CUDA-aware (see :func:`cuda_aware`).
     """
+    if not _holds_values(tensor):  # see :func:`materialized`
+        raise ValueError("mpistrategy: a tensor with a lazy conjugate or negative bit reached MPI (a bug).")
     count = tensor.numel()
     datatype = _NATIVE_TYPES.get(tensor.dtype) or transfer_type(tensor.dtype)
     if not count:
@@ -321,7 +336,7 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     are staged through host memory when MPI is not CUDA-aware. A CUDA tensor MPI reads itself is returned once the
     current stream's work is done (MPI does not order its reads behind the device's streams).
     """
-    tensor = tensor.detach()
+    tensor = materialized(tensor.detach())
     if (dtype is None or dtype == tensor.dtype) and host_ready(tensor):
         return tensor
     if needs_staging(tensor):
@@ -392,12 +407,14 @@ def receive_buffer(
     out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """Where MPI writes a result of ``shape`` and ``dtype``: ``out`` itself when MPI can write into it directly
-    (contiguous, that shape and dtype, addressable memory), else a fresh buffer that :func:`deliver` copies from."""
+    (contiguous, that shape and dtype, addressable memory holding its values), else a fresh buffer that
+    :func:`deliver` copies from."""
     if (
         out is not None
         and out.dtype == dtype
         and tuple(out.shape) == tuple(shape)
         and out.is_contiguous()
+        and _holds_values(out)
         and not needs_staging(out)
     ):
         return out

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 import zlib
 from array import array
@@ -78,13 +79,18 @@ def validation(enabled: bool) -> Iterator[None]:
 
 
 def check_rank(value: int, comm: Communicator, what: str, role: str = "root") -> int:
-    """Raise unless ``value`` names a rank of ``comm``."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < comm.size:
+    """Raise unless ``value`` names a rank of ``comm`` (an integer, a NumPy one too, but not a bool)."""
+    if not is_integer(value) or not 0 <= value < comm.size:
         raise ValueError(
             f"{what}: {role}={value!r} is not a rank of this communicator of size {comm.size}; "
             f"pass a {role} between 0 and {comm.size - 1}."
         )
     return value
+
+
+def is_integer(value: object) -> bool:
+    """Whether ``value`` is an integer argument: a Python or NumPy integer (``numbers.Integral``), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_dim(dim: int, ndim: int, what: str) -> int:

@@ -5,11 +5,16 @@ three times: one copy carries the forward messages of every op, one the backward
 checks of the ops' arguments (:mod:`mpistrategy.comm.checks`). Because the copies are distinct MPI communicators,
 a backward message can never be matched by a forward one, nor a check by a payload (nor any of them by the user's
 own traffic on the original communicator), whatever the tags and sizes.
+
+The wrapper is cached on the MPI communicator itself, as an MPI attribute (``MPI_Comm_set_attr``): MPI deletes it
+when the communicator is freed, so a communicator created later, which MPI may give the freed one's handle, is
+wrapped anew instead of running on the freed one's members. The duplicates of a freed communicator stay allocated
+until the process ends.
 """
 
 from __future__ import annotations
 
-import threading
+from typing import cast
 
 import numpy as np
 from mpi4py import MPI
@@ -46,19 +51,21 @@ class Communicator:
         self.agreement = np.zeros(2, dtype=np.int64)
         self.calls = 0  # collectives this process called on it (see calls.enter)
         self.channel = calls.register(world_ranks(comm))
-        with _lock:
-            _registry[_key(comm)] = self
+        comm.Set_attr(_WRAPPER, self)
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size})"
 
 
-_registry: dict[int, Communicator] = {}
-_lock = threading.Lock()
+#: the attribute under which an MPI communicator holds its :class:`Communicator` (deleted with the communicator)
+_WRAPPER = MPI.Comm.Create_keyval()
 
 
-def _key(comm: MPI.Comm) -> int:
-    return comm.py2f()
+def _wrapper_of(comm: MPI.Comm) -> Communicator | None:
+    """The :class:`Communicator` cached on ``comm``, if any."""
+    if comm == MPI.COMM_NULL:
+        return None
+    return cast("Communicator | None", comm.Get_attr(_WRAPPER))
 
 
 def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:
@@ -73,7 +80,7 @@ def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:
 
 def world() -> Communicator:
     """The wrapped ``MPI.COMM_WORLD`` (created when mpistrategy is imported, on every rank)."""
-    found = _registry.get(_key(MPI.COMM_WORLD))
+    found = _wrapper_of(MPI.COMM_WORLD)
     return found if found is not None else Communicator(MPI.COMM_WORLD)
 
 
@@ -88,7 +95,7 @@ def resolve(comm: MPI.Comm | Communicator | None, *, collective: bool = True) ->
         return world()
     if isinstance(comm, Communicator):
         return comm
-    found = _registry.get(_key(comm)) if isinstance(comm, MPI.Comm) else None
+    found = _wrapper_of(comm) if isinstance(comm, MPI.Comm) else None
     if found is not None:
         return found
     if not collective:

@@ -152,6 +152,37 @@ def test_wrong_recv_sizes_raise_on_every_rank() -> None:
         ms.alltoall_v(torch.ones(size(), 2), [1] * size(), recv_sizes=wrong)
 
 
+def test_wrong_recv_sizes_on_one_rank_raise_on_every_rank() -> None:
+    if size() == 1:
+        pytest.skip("one rank sends itself what it receives")
+    culprit = rank() == size() - 1
+    receives = [1] * size()
+    receives[0] += culprit  # rank 0 sends one slice to the last rank, which expects two
+    expected = (ValueError, "recv_sizes=") if culprit else (CommunicationError, rf"rank\(s\) \[{size() - 1}\]")
+    with pytest.raises(expected[0], match=expected[1]):
+        ms.alltoall_v(torch.ones(size(), 2), [1] * size(), recv_sizes=receives)
+    assert torch.equal(ms.alltoall_v(torch.ones(size(), 2), [1] * size()), torch.ones(size(), 2))
+
+
+@pytest.mark.parametrize("other", ["allreduce", "allgather_v", "broadcast", "alltoall", "alltoall_v given"])
+def test_alltoall_v_on_one_rank_against_another_op_raises_on_every_rank(other: str) -> None:
+    """The last rank calls alltoall_v (which exchanges its sizes after the check) while the others call another
+    op: every rank raises naming both, nothing waits, and the ranks stay in step."""
+    if size() == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    x = torch.ones(size())
+    calls = {
+        "allreduce": lambda: ms.allreduce(x),
+        "allgather_v": lambda: ms.allgather_v(x),
+        "broadcast": lambda: ms.broadcast(x, root=0),
+        "alltoall": lambda: ms.alltoall(x),
+        "alltoall_v given": lambda: ms.alltoall_v(x, [1] * size(), recv_sizes=[1] * size()),
+    }
+    with pytest.raises(CommunicationError, match="alltoall_v"):
+        ms.alltoall_v(x, [1] * size()) if rank() == size() - 1 else calls[other]()
+    assert torch.equal(ms.allreduce(x), x * size())
+
+
 def test_without_validation_the_count_exchange_still_reports_bad_sizes() -> None:
     ms.set_validation(False)
     try:

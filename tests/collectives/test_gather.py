@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -367,3 +368,41 @@ def test_placeholder_names_the_root_and_refuses_tensor_ops() -> None:
     for method in ("sum", "item", "numpy", "to"):
         with pytest.raises(AttributeError, match=f"no .{method}: gather's result is not on this rank"):
             getattr(out, method)
+
+
+@pytest.mark.parametrize("name", ["allgather", "allgather_v", "gather", "gather_v", "alltoall", "alltoall_v"])
+def test_ranks_may_spell_the_same_dim_differently(name: str) -> None:
+    """``dim=-1`` on some ranks and ``dim=1`` on others name the same dimension of a 2-D tensor: one call."""
+    x = torch.arange(2.0 * 2 * size()).reshape(2, 2 * size()) + 100 * rank()
+    ops = {
+        "allgather": lambda d: ms.allgather(x, dim=d),
+        "allgather_v": lambda d: ms.allgather_v(x, dim=d),
+        "gather": lambda d: ms.gather(x, root=0, dim=d),
+        "gather_v": lambda d: ms.gather_v(x, root=0, dim=d),
+        "alltoall": lambda d: ms.alltoall(x, dim=d),
+        "alltoall_v": lambda d: ms.alltoall_v(x, [2] * size(), dim=d),
+    }
+    spelled = ops[name](-1 if rank() % 2 else 1)
+    expected = ops[name](1)
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(spelled, expected)
+
+
+def test_numpy_integers_name_roots_dims_and_peers() -> None:
+    """Roots, dims, peers and tags given as NumPy integers, as mpi4py and torch.distributed take them."""
+    root, dim = np.int64(size() - 1), np.int32(0)
+    x = torch.full((size(), 2), float(rank()))
+    assert torch.equal(ms.broadcast(x, root=root), torch.full((size(), 2), float(size() - 1)))
+    everyone = ms.allgather(x, dim=0)
+    assert torch.equal(ms.allgather(x, dim=dim), everyone)
+    gathered = ms.gather(x, root=root, dim=dim)
+    if rank() == size() - 1:
+        assert torch.equal(gathered, everyone)
+    assert torch.equal(ms.scatter(x, root=np.int16(0), dim=dim), torch.zeros(1, 2))
+    reduced = ms.reduce(x, root=root)
+    if rank() == size() - 1:
+        assert torch.equal(reduced, torch.full((size(), 2), float(sum(range(size())))))
+    peer = ms.sendrecv(x, dst=np.int64((rank() + 1) % size()), src=np.int64((rank() - 1) % size()), tag=np.int8(3))
+    assert torch.equal(peer, torch.full((size(), 2), float((rank() - 1) % size())))
+    with pytest.raises(ValueError, match="root=True is not a rank"):
+        ms.broadcast(x, root=True)

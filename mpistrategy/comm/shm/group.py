@@ -24,7 +24,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.comm import rank_sum
-from mpistrategy.comm.buffers import DTYPE_CODES, receive_buffer, same_memory
+from mpistrategy.comm.buffers import DTYPE_CODES, materialized, receive_buffer, same_memory
 from mpistrategy.comm.communicator import world_ranks
 from mpistrategy.comm.shm.operation import CHECKING, COMPLETE, RUNNING, Operation
 from mpistrategy.comm.shm.placement import Places, split
@@ -298,7 +298,7 @@ class SharedMemoryGroup:
         if not plan.copies_in:
             self._flags.publish(ARRIVED, base + plan.chunks)
             return
-        flat = split(tensor.detach().reshape(-1).contiguous(), plan.step)  # summed by address: no strides
+        flat = split(materialized(tensor.detach().reshape(-1).contiguous()), plan.step)  # summed by address
         if plan.source is HOST:
             operation.views.own = flat
         source = operation.views.source
