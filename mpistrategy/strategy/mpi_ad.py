@@ -246,7 +246,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
         return output
 
     def _log_step_figures(self, engine: DataParallelEngine) -> None:
-        """Log the step's bytes sent (rank 0's) and every rank's memory (gathered to rank 0; collective)."""
+        """Log the step's bytes sent (this rank's) and every rank's memory (gathered to every rank, so that every
+        rank holds the same metric names, which callbacks may monitor; collective)."""
         figures: dict[str, float] = {}
         if self.log_traffic:
             node, inter_node = engine.last_step_traffic
@@ -254,8 +255,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
             figures["comm/node_bytes_per_step"] = float(node)
             figures["comm/inter_node_bytes_per_step"] = float(inter_node)
         if self.log_memory:
-            reports = self.topology.control.gather(engine.memory().as_dict(), root=0)
-            for rank, report in enumerate(reports or []):
+            reports = self.topology.control.allgather(engine.memory().as_dict())
+            for rank, report in enumerate(reports):
                 figures.update({f"memory/rank{rank}/{name}": float(value) for name, value in report.items()})
         self.lightning_module.log_dict(figures, on_step=True, on_epoch=False, rank_zero_only=True)
 

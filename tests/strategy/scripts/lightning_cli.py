@@ -1,6 +1,6 @@
 """``LightningCLI`` over Lightning's demo ``BoringModel`` and ``BoringDataModule``, as a user writes it, the strategy
 chosen on the command line. After ``fit`` every rank writes what it trained with to ``$CLI_REPORT_DIR/rank<r>.json``:
-the strategy's settings, the parameters, and the metrics logged (rank 0's hold every rank's memory)."""
+the strategy's settings, the parameters, and the metrics logged (every rank holds every rank's memory)."""
 
 import json
 import os
