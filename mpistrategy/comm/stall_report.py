@@ -54,6 +54,8 @@ def format_report(
         lines = [_skipped_call(trigger["skipped"], trigger["rank"], rank)]
     elif trigger.get("crossed") is not None:
         lines = [_crossed_wait(trigger, rank)]
+    elif trigger.get("waiting_for_ended") is not None:
+        lines = [_waiting_for_ended(trigger, rank, waited_in)]
     else:
         lines = [
             f"[mpistrategy] stall (reported on rank {rank}): rank {trigger['rank']} has waited "
@@ -155,6 +157,19 @@ def _crossed_wait(trigger: dict[str, Any], rank: int) -> str:
         "Neither call can complete: every rank must make the same collective calls in the same order (a call made "
         "under a rank condition, such as `if trainer.is_global_zero:`, or a branch on data that differs between "
         "ranks, is missing on the others)."
+    )
+
+
+def _waiting_for_ended(trigger: dict[str, Any], rank: int, waited_in: str) -> str:
+    """The first line of the report of a rank waiting in a collective for ranks that have ended their script."""
+    gone = trigger["waiting_for_ended"]
+    names, their = f"rank{'s' if gone[1:] else ''} {', '.join(map(str, gone))}", "their" if gone[1:] else "its"
+    return (
+        f"[mpistrategy] rank {trigger['rank']} waits for {names}, which ended {their} script (found on rank "
+        f"{trigger['rank']}, reported on rank {rank}): it has waited {trigger['waited']:.1f} s in {waited_in}. It "
+        f"made a collective call that {names} did not make before ending (a batch or backward pass more: data that "
+        "differs between ranks, or a call under a rank condition). Give every rank the same number of batches and "
+        "the same collective calls."
     )
 
 

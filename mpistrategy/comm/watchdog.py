@@ -35,6 +35,10 @@ call tells every other rank's watchdog which, with its collective counts; a rank
 such a peer raises the alarm, and the report names both calls. No timeout is needed for that proof, only the grace
 (longer than that of a skipped call, which names the cause more precisely where both apply).
 
+A rank that ends its script tells every other rank's watchdog; a rank that has waited :data:`_SKIP_GRACE` seconds
+in a collective of a communicator with such a rank among its members, knowing of its end as long, waits for a rank
+that will make no call any more (a batch or backward pass more than the others): it raises the alarm at once.
+
 When a rank raises, :func:`every_rank_raised` tells the others on the same channel and waits a few seconds to hear
 that they raised too, in step (the same number of collectives on every communicator of all ranks): then no rank
 waits for another, and the job need not be aborted (the next point of a sweep can run).
@@ -76,7 +80,7 @@ ACTIONS = ("abort", "warn")
 
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
-_ALARM, _STATE, _WRITTEN, _DATA_END, _ENTERED, _RAISED, _WAITING = 1, 2, 3, 4, 5, 6, 7
+_ALARM, _STATE, _WRITTEN, _DATA_END, _ENTERED, _RAISED, _WAITING, _ENDED = 1, 2, 3, 4, 5, 6, 7, 8
 # How long a rank may wait in mpistrategy, knowing that a peer entered a call every rank must make, before it is
 # found to have gone on without the call (the collectives the peer had passed end within moments).
 _SKIP_GRACE = 5.0
@@ -170,6 +174,8 @@ class Watchdog:
         self._peer_waits: dict[int, dict[str, Any]] = {}
         self._told_wait = -1
         self._cross_reported = False
+        # when each peer that told so ended its script (time.time() of its message's arrival here)
+        self._peers_ended: dict[int, float] = {}
         self._thread = threading.Thread(target=self._run, name="mpistrategy-watchdog", daemon=True)
         self._thread.start()
 
@@ -189,6 +195,8 @@ class Watchdog:
         if os.getpid() != self._pid or not MPI.Is_initialized() or MPI.Is_finalized():
             return
         self._ended = time.time()
+        if _timeout > 0:
+            self._tell_others(self._ended, _ENDED)
         try:
             request = self.comm.Ibarrier()
             pause = 0.001
@@ -206,7 +214,12 @@ class Watchdog:
             trigger = self._received_alarm()
             if trigger is None and _timeout > 0:
                 since = self._waiting_since() if self._ended is None else None
-                trigger = self._uneven_data() or self._skipped_call(since) or self._crossed_wait(since)
+                trigger = (
+                    self._uneven_data()
+                    or self._skipped_call(since)
+                    or self._crossed_wait(since)
+                    or self._waiting_for_ended(since)
+                )
                 if trigger is None and since is not None:
                     trigger = self._own_stall(since)
             if trigger is not None:
@@ -382,6 +395,22 @@ class Watchdog:
                 self._cross_reported = True
                 return self._alarm(time.time() - since, crossed={"rank": peer, "call": theirs})
         return None
+
+    def _waiting_for_ended(self, since: float | None) -> dict[str, Any] | None:
+        """The alarm of a rank that waits in a collective whose communicator holds a rank that has ended its script
+        (sent to every rank), else ``None``. Both the wait and the knowledge of the end have lasted
+        :data:`_SKIP_GRACE` seconds (a call the ended rank had posted completes within moments)."""
+        for peer, _ in self._arrived(_ENDED):
+            self._peers_ended.setdefault(peer, time.time())
+        current, now = calls.current, time.time()
+        if since is None or current is None or now - since <= _SKIP_GRACE:
+            return None
+        members = calls.members(current.channel)
+        gone = sorted(peer for peer, at in self._peers_ended.items() if peer in members and now - at > _SKIP_GRACE)
+        if not gone:
+            return None
+        self._peers_ended.clear()  # reported once
+        return self._alarm(now - since, waiting_for_ended=gone)
 
     def _alarm(self, waited: float, **cause: Any) -> dict[str, Any]:
         """This rank's alarm (it has waited ``waited`` seconds; ``cause``: what else it found), sent to every other

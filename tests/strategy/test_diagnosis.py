@@ -280,3 +280,24 @@ def test_a_gather_on_rank_zero_only_is_reported_long_before_the_stall_timeout(
             output,
         ), output[-4000:]
     assert "`if trainer.is_global_zero:`" in output and "FINISHED" not in output
+
+
+def test_fabric_rank_waiting_for_a_rank_that_ended_its_script_is_reported_long_before_the_stall_timeout(
+    tmp_path: Path,
+) -> None:
+    """Under Fabric the last rank skips a backward pass, so rank 0 has a pass more: it waits in the gradient sync
+    for a rank that has ended its script. With the stall timeout at its default (300 s), every rank names the wait
+    and the rank that ended within seconds."""
+    code, output, ended = run_mpi_job(
+        SCRIPT, 2, "fabric", "skip_backward", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - began < 60, f"ended {ended - began:.1f} s after the last rank skipped its pass"
+    for rank in range(2):
+        assert re.search(
+            rf"rank 0 waits for rank 1, which ended its script \(found on rank 0, reported on rank {rank}\): it has "
+            rf"waited \d+\.\d s in gradient sync\(backward pass=3\) \(call #\d+ on its communicator\) at "
+            rf"\S*{re.escape(_line_of('backward'))}\. It made a collective call that rank 1 did not make",
+            output,
+        ), output[-4000:]
