@@ -40,6 +40,18 @@ def _run(framework: str, case: str, sync: str, ranks: int, tmp_path: Path) -> tu
     return code, output
 
 
+def _reported_soon(framework: str, case: str, ranks: int, tmp_path: Path) -> str:
+    """Run a case with the stall timeout at its default (300 s): the job must end with the watchdog's exit code
+    within a minute of the case's beginning; its output."""
+    code, output, ended = run_mpi_job(
+        SCRIPT, ranks, framework, case, "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
+    )
+    assert code == STALL_EXIT_CODE, output[-4000:]
+    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
+    assert ended - began < 60, f"ended {ended - began:.1f} s after the case began"
+    return output
+
+
 def _stack_of(output: str, rank: int) -> str:
     return output[output.index(f"rank {rank}'s stack (MainThread)") :].split("[mpistrategy]")[0]
 
@@ -91,12 +103,7 @@ def test_an_uneven_iterable_dataset_is_reported_long_before_the_stall_timeout(tm
     """The last rank's stream has six batches, the others' four; with the stall timeout at its default (300 s),
     every rank reports both counts and the job ends within seconds, before the first epoch's extra batches could
     be paired with the next epoch's collectives of the other ranks."""
-    code, output, ended = run_mpi_job(
-        SCRIPT, 2, "trainer", "uneven_stream", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
-    )
-    assert code == STALL_EXIT_CODE, output[-4000:]
-    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
-    assert ended - began < 60, f"ended {ended - began:.1f} s after the first epoch began"
+    output = _reported_soon("trainer", "uneven_stream", 2, tmp_path)
     for rank in range(2):
         report = _uneven_report(output, rank)
         assert re.search(
@@ -109,12 +116,7 @@ def test_a_checkpoint_saved_on_rank_zero_only_is_reported_long_before_the_stall_
     """Rank 0 alone calls ``trainer.save_checkpoint`` in the training step of batch_idx 1 and waits there for the
     others' parts; the others wait in that batch's gradient sync. With the stall timeout at its default (300 s),
     every rank names the call, the line that made it and the fix, within seconds."""
-    code, output, ended = run_mpi_job(
-        SCRIPT, 3, "trainer", "save_on_rank_zero", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
-    )
-    assert code == STALL_EXIT_CODE, output[-4000:]
-    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
-    assert ended - began < 60, f"ended {ended - began:.1f} s after rank 0 began to save"
+    output = _reported_soon("trainer", "save_on_rank_zero", 3, tmp_path)
     site = re.escape(_line_of("save"))
     for rank in range(3):
         found = re.search(
@@ -143,12 +145,7 @@ def test_a_checkpoint_saved_on_every_rank_at_different_times_is_no_desync(framew
 def test_fabric_save_on_rank_zero_only_is_reported_long_before_the_stall_timeout(tmp_path: Path) -> None:
     """Under Fabric rank 0 alone calls ``fabric.save``; the other rank waits in the next gradient sync: with the
     stall timeout at its default, both ranks name the save, where it was made and where the other rank waits."""
-    code, output, ended = run_mpi_job(
-        SCRIPT, 2, "fabric", "save_on_rank_zero", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
-    )
-    assert code == STALL_EXIT_CODE, output[-4000:]
-    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
-    assert ended - began < 60, f"ended {ended - began:.1f} s after rank 0 began to save"
+    output = _reported_soon("fabric", "save_on_rank_zero", 2, tmp_path)
     site, backward = re.escape(_line_of("fabric save")), re.escape(_line_of("backward"))
     for rank in range(2):
         assert re.search(
@@ -262,12 +259,7 @@ def test_a_gather_on_rank_zero_only_is_reported_long_before_the_stall_timeout(
     """Rank 0 alone all-gathers its loss before the backward pass; the others wait in the gradient sync (another
     communicator, so no fingerprint check meets both). With the stall timeout at its default (300 s), the ranks
     find that each waits in a call the other has not entered, and every rank names both calls within seconds."""
-    code, output, ended = run_mpi_job(
-        SCRIPT, ranks, framework, "gather_on_rank_zero", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
-    )
-    assert code == STALL_EXIT_CODE, output[-4000:]
-    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
-    assert ended - began < 60, f"ended {ended - began:.1f} s after rank 0 began to gather"
+    output = _reported_soon(framework, "gather_on_rank_zero", ranks, tmp_path)
     gather = re.escape(_line_of("gather" if framework == "trainer" else "fabric gather"))
     pass_name = "training batch" if framework == "trainer" else "backward pass"
     for rank in range(ranks):
@@ -288,12 +280,7 @@ def test_fabric_rank_waiting_for_a_rank_that_ended_its_script_is_reported_long_b
     """Under Fabric the last rank skips a backward pass, so rank 0 has a pass more: it waits in the gradient sync
     for a rank that has ended its script. With the stall timeout at its default (300 s), every rank names the wait
     and the rank that ended within seconds."""
-    code, output, ended = run_mpi_job(
-        SCRIPT, 2, "fabric", "skip_backward", "flat", timeout=120, MPISTRATEGY_FLIGHT_DIR=str(tmp_path)
-    )
-    assert code == STALL_EXIT_CODE, output[-4000:]
-    began = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
-    assert ended - began < 60, f"ended {ended - began:.1f} s after the last rank skipped its pass"
+    output = _reported_soon("fabric", "skip_backward", 2, tmp_path)
     for rank in range(2):
         assert re.search(
             rf"rank 0 waits for rank 1, which ended its script \(found on rank 0, reported on rank {rank}\): it has "
