@@ -44,6 +44,10 @@ class FitTimer(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._fit_start = time.perf_counter()
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # An epoch resumed in its middle has no on_train_epoch_start: its time counts from here.
+        self._epoch_start = time.perf_counter()
+
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
 

@@ -89,6 +89,7 @@ def _choices(name: str, values: Iterable[str], doc: str) -> type[Enum]:
 NodeTransport = _choices("NodeTransport", NODE_TRANSPORTS, "How node-local gradient averaging travels.")
 ShardMode = _choices("ShardMode", SHARD_MODES, "Which training state is split over the ranks (ZeRO stage 1 or 2).")
 GossipGraph = _choices("GossipGraph", (*GOSSIP_GRAPHS, "custom"), "Gossip's graph; custom: the neighbours field.")
+SummaryMode = _choices("SummaryMode", ("max", "min"), "Whether the best value of the summary's metric is its largest.")
 Downcast = _choices(
     "Downcast", (name for name in DOWNCAST_TYPES if name is not None), "DASO's precision of inter-node averages."
 )
@@ -480,7 +481,7 @@ class SummaryConf:
     plot: bool = True
     table: bool = True
     metric: str = "val/acc"
-    mode: str = "max"
+    mode: SummaryMode = SummaryMode.max  # type: ignore[valid-type, attr-defined]
 
 
 @dataclass

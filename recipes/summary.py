@@ -66,7 +66,7 @@ def _number(text: Any) -> float | None:
     return None if math.isnan(value) else value
 
 
-def _epoch_key(series: dict[str, list], name: str) -> str | None:
+def _epoch_key(series: dict[str, Any], name: str) -> str | None:
     """The per-epoch series of ``name``: ``name_epoch`` if the module logged both step and epoch values."""
     for key in (f"{name}_epoch", name):
         if key in series:
@@ -87,15 +87,21 @@ def summarize_run(
     plot: bool = True,
     table: bool = True,
 ) -> dict[str, Any]:
-    """Write ``summary.json`` (and ``curves.png``) in ``run_dir``; print a table. Returns the summary."""
+    """Write ``summary.json`` (and ``curves.png``) in ``run_dir``; print a table. Returns the summary.
+
+    The final values come from the CSV log's last epoch; without one (``logger=none``), from ``extra["metrics"]``
+    (the Trainer's last logged values), and the best value is then unknown."""
     run_dir = Path(run_dir)
     series = read_metrics(metrics_csv or run_dir / "csv" / "metrics.csv")
     summary: dict[str, Any] = dict(extra or {})
+    logged = summary.get("metrics") or {}
     final: dict[str, float] = {}
     for name in ("train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc"):
         key = _epoch_key(series, name)
         if key and series[key]:
             final[name] = series[key][-1][2]
+        elif not series and (key := _epoch_key(logged, name)) is not None:
+            final[name] = float(logged[key])
     summary["final"] = final
     key = _epoch_key(series, objective)
     if key and series[key]:

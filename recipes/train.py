@@ -21,6 +21,8 @@ command with ``hydra.run.dir=<the run dir>``, or ``hydra.sweep.dir=<the sweep di
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shlex
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mpistrategy import conf as _conf
 from mpistrategy.recipes import hydra_mpi
@@ -54,6 +56,43 @@ def _failed_ranks(ok: bool) -> list[int]:
     """Collective: the ranks that are not ok. Every rank reaches this point whether it failed or not."""
     oks = hydra_mpi.comm().allgather(ok) if hydra_mpi.size() > 1 else [ok]
     return [r for r, good in enumerate(oks) if not good]
+
+
+def differing_config(cfg: DictConfig) -> str | None:
+    """Collective: ``None`` when every rank composed the same config (resolved), else the values that differ, by
+    key and rank (one allgather of a digest; the configs themselves only when the digests differ)."""
+    if hydra_mpi.size() == 1:
+        return None
+    try:
+        values = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - an interpolation that fails is reported by the build on its rank
+        values = OmegaConf.to_container(cfg, resolve=False)
+    flat = {key: repr(value) for key, value in _flattened(values).items()}
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    comm = hydra_mpi.comm()
+    if len(set(comm.allgather(digest))) == 1:
+        return None
+    configs = comm.allgather(flat)
+    keys = sorted(key for key in set().union(*configs) if len({config.get(key) for config in configs}) > 1)
+    listed = [
+        f"{key} (" + "; ".join(f"rank {r}: {config.get(key, 'unset')}" for r, config in enumerate(configs)) + ")"
+        for key in keys[:5]
+    ]
+    return ", ".join(listed) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def _flattened(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"a.b.c": leaf}``."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((str(index), item) for index, item in enumerate(value))
+    else:
+        return {prefix: value}
+    flat: dict[str, Any] = {}
+    for key, item in items:
+        flat.update(_flattened(item, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
 
 
 def resume_checkpoint(cfg: DictConfig, output_dir: Path) -> str | None:
@@ -148,7 +187,7 @@ def train(cfg: DictConfig) -> float | None:
 
     import mpistrategy  # noqa: F401  (registers strategy="mpi_ad"; wraps MPI.COMM_WORLD)
     from mpistrategy.recipes.builders import build_run
-    from mpistrategy.recipes.summary import bytes_sent, summarize_run
+    from mpistrategy.recipes.summary import SUMMARY_FILE, bytes_sent, summarize_run
     from mpistrategy.strategy import failures
 
     rank_zero_only.rank = hydra_mpi.rank()
@@ -166,6 +205,13 @@ def train(cfg: DictConfig) -> float | None:
         output_dir,
     )
 
+    differing = differing_config(cfg)
+    if differing:
+        raise _BuildFailed(
+            f"the ranks composed different configs: {differing}. Every rank must run the same command with the same "
+            "overrides; a value that differs between ranks comes from the environment (an ${oc.env:...} "
+            "interpolation, a launcher that passes other arguments to some ranks)."
+        )
     # Build on every rank; agree on the outcome before anything collective happens.
     try:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -181,6 +227,13 @@ def train(cfg: DictConfig) -> float | None:
     if failed:
         raise _BuildFailed(f"building the run failed on rank(s) {failed}")
     assert run is not None
+    if run.trainer.world_size != hydra_mpi.size():
+        raise _BuildFailed(
+            f"strategy={cfg.strategy.get('name', '?')} makes a Trainer of {run.trainer.world_size} process(es) "
+            f"({type(run.trainer.strategy).__name__}) on each of the {hydra_mpi.size()} MPI ranks: every rank would "
+            "train alone and write the same run dir. Use an MPI strategy (strategy=mpi_ad, or another choice of "
+            "conf/strategy), or run one process."
+        )
 
     ckpt_path = resume_checkpoint(cfg, output_dir)
     if ckpt_path:
@@ -198,8 +251,13 @@ def train(cfg: DictConfig) -> float | None:
 
     trainer = run.trainer
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    timer = run.callbacks.get("fit_timer")
+    if ckpt_path and timer is not None and not timer.steps and (output_dir / SUMMARY_FILE).exists():
+        # A rerun of a finished run trains nothing: its summary stays, and so does its objective.
+        log.info("the run had finished (%s): nothing trained, %s kept", ckpt_path, output_dir / SUMMARY_FILE)
+        kept = json.loads((output_dir / SUMMARY_FILE).read_text())
+        return kept.get("metrics", {}).get(cfg.objective)
     if trainer.is_global_zero and cfg.summary.enabled:
-        timer = run.callbacks.get("fit_timer")
         extra: dict[str, Any] = {
             **_hydra_info(),
             "task_name": cfg.task_name,
@@ -220,7 +278,7 @@ def train(cfg: DictConfig) -> float | None:
             metrics_csv=metrics_csv,
             extra=extra,
             objective=cfg.summary.metric,
-            mode=cfg.summary.mode,
+            mode=cfg.summary.mode.value,
             plot=cfg.summary.plot,
             table=cfg.summary.table,
         )
@@ -319,4 +377,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["main", "train", "resume_checkpoint", "resume_command"]
+__all__ = ["differing_config", "main", "train", "resume_checkpoint", "resume_command"]

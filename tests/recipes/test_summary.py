@@ -7,7 +7,7 @@ import csv
 import json
 from pathlib import Path
 
-from mpistrategy.recipes.summary import COMPLETED, FAILED, STARTED, main, write_status
+from mpistrategy.recipes.summary import COMPLETED, FAILED, STARTED, main, summarize_run, write_status
 
 
 def _point(sweep: Path, job: str, overrides: list[str], state: str, final: float | None = None) -> None:
@@ -49,3 +49,13 @@ def test_a_failed_point_names_the_error_that_caused_it(tmp_path: Path) -> None:
         write_status(tmp_path / "0", ["strategy.period=0"], FAILED, error)
     status = json.loads((tmp_path / "0" / "status.json").read_text())
     assert status["error"] == "ValueError: period=0 must be an integer >= 1"
+
+
+def test_a_run_without_a_csv_log_takes_its_final_values_from_the_logged_metrics(tmp_path: Path) -> None:
+    """``logger=none``: no metrics.csv, so the final values and the objective come from the Trainer's last logged
+    values (an epoch value where both a step and an epoch value were logged); the best value is unknown."""
+    metrics = {"val/acc": 0.91, "val/loss": 0.3, "train/loss_step": 0.5, "train/loss_epoch": 0.4, "epoch": 2.0}
+    summary = summarize_run(tmp_path, extra={"metrics": metrics}, plot=False, table=False)
+    assert summary["final"] == {"train/loss": 0.4, "val/loss": 0.3, "val/acc": 0.91}
+    assert summary["objective"] == {"name": "val/acc", "value": 0.91} and "best" not in summary
+    assert json.loads((tmp_path / "summary.json").read_text())["final"] == summary["final"]
