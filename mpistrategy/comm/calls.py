@@ -82,6 +82,28 @@ def call_site(depth: int = 1, near: bool = False) -> tuple[str, int]:
     return last.f_code.co_filename, last.f_lineno
 
 
+def inside_package(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs mpistrategy's code."""
+    return frame is not None and frame.f_code.co_filename.startswith(_MPISTRATEGY)
+
+
+def innermost_inside(frames: dict[int, FrameType]) -> str | None:
+    """``function (mpistrategy/file:line)`` of the first of ``frames`` (threads' innermost frames) that runs
+    mpistrategy's code: where a thread waits in mpistrategy."""
+    for frame in frames.values():
+        if inside_package(frame):
+            where = f"{frame.f_code.co_filename.removeprefix(_MPISTRATEGY)}:{frame.f_lineno}"
+            return f"{frame.f_code.co_name} (mpistrategy/{where})"
+    return None
+
+
+def now_at(frame: FrameType | None) -> str:
+    """``file:line (in function)`` of a thread's innermost frame."""
+    if frame is None:
+        return "?"
+    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} (in {frame.f_code.co_name})"
+
+
 def short_path(path: str) -> str:
     """``path`` relative to the working directory when it lies below it, else as it is."""
     cwd = os.getcwd() + os.sep

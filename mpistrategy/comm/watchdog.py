@@ -28,16 +28,10 @@ rank that starts a later batch, or ends its script, without having entered it ra
 report names the call, the rank and line that made it, and what the others did instead. A rank that waits
 elsewhere meanwhile (in the same batch) is found by the stall timeout, and the report names the call there too.
 
-Two ranks that wait in collectives on different communicators, each a member of the other's, neither having
-entered the other's call (a rank that made an ``all_gather`` under ``if trainer.is_global_zero:`` while the others
-wait in the gradient sync), wait for each other forever: a rank that has waited :data:`_CROSS_GRACE` seconds in a
-call tells every other rank's watchdog which, with its collective counts; a rank that waits as long and learns of
-such a peer raises the alarm, and the report names both calls. No timeout is needed for that proof, only the grace
-(longer than that of a skipped call, which names the cause more precisely where both apply).
-
-A rank that ends its script tells every other rank's watchdog; a rank that has waited :data:`_SKIP_GRACE` seconds
-in a collective of a communicator with such a rank among its members, knowing of its end as long, waits for a rank
-that will make no call any more (a batch or backward pass more than the others): it raises the alarm at once.
+Waits proven endless (:mod:`mpistrategy.comm.deadlocks`) raise the alarm without the timeout: a rank that has
+waited :data:`_CROSS_GRACE` seconds in a call tells every other rank's watchdog which, with its collective counts,
+and a rank whose wait crosses a peer's (each in a call the other has not entered) reports both calls; a rank that
+ends its script tells the others, and a rank that has waited :data:`_SKIP_GRACE` seconds for such a rank reports it.
 
 When a rank raises, :func:`every_rank_raised` tells the others on the same channel and waits a few seconds to hear
 that they raised too, in step (the same number of collectives on every communicator of all ranks): then no rank
@@ -72,6 +66,7 @@ from mpi4py import MPI
 
 from mpistrategy.comm import calls, flight
 from mpistrategy.comm.abort import abort_job
+from mpistrategy.comm.deadlocks import crossed_peer, ended_members
 from mpistrategy.comm.stall_report import STALL_EXIT_CODE, counted, format_report
 
 #: the default stall timeout in seconds: longer than any healthy wait in a collective on a cluster
@@ -90,7 +85,6 @@ _CROSS_GRACE = 2 * _SKIP_GRACE
 _PASSES_KEPT = 8
 # The launcher forwards a report's output before it tears the job down within this time.
 _OUTPUT_SECONDS = 0.5
-_PACKAGE_ROOT = calls.package_root()
 _exit_process = os._exit
 
 
@@ -139,10 +133,6 @@ def stall_timeout() -> float:
 def stall_action() -> str:
     """``"abort"`` or ``"warn"``: what the watchdog does after its report."""
     return _action
-
-
-def _inside_package(frame: FrameType | None) -> bool:
-    return frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_ROOT)
 
 
 class Watchdog:
@@ -304,7 +294,7 @@ class Watchdog:
             self._polled_key = key
             self._watched_key = -1
             return None
-        if not any(_inside_package(frame) for frame in self._waiting_frames().values()):
+        if not any(calls.inside_package(frame) for frame in self._waiting_frames().values()):
             self._watched_key = -1
             return None
         if key != self._watched_key:
@@ -358,7 +348,7 @@ class Watchdog:
                     "rank": self.rank,
                     "at": own,
                     "ended": self._ended is not None,
-                    "waiting": (waited, _call_state(calls.current), _innermost(self._waiting_frames()))
+                    "waiting": (waited, _call_state(calls.current), calls.innermost_inside(self._waiting_frames()))
                     if waiting and not beyond
                     else None,
                 }
@@ -368,12 +358,9 @@ class Watchdog:
         return None
 
     def _crossed_wait(self, since: float | None) -> dict[str, Any] | None:
-        """The alarm of a rank that waits in a collective on one communicator while a member of it waits in one on
-        another communicator, of which this rank is a member, neither having entered the other's call (sent to
-        every rank), else ``None``; once. Each side has waited :data:`_CROSS_GRACE` seconds; a peer's wait is
-        still on while this rank has not entered the peer's call (the call needs it)."""
-        for peer, wait in self._arrived(_WAITING):
-            self._peer_waits[peer] = wait
+        """The alarm of a rank whose wait crosses a peer's (:func:`~mpistrategy.comm.deadlocks.crossed_peer`; sent
+        to every rank), else ``None``; once. Each side has waited :data:`_CROSS_GRACE` seconds."""
+        self._peer_waits.update(self._arrived(_WAITING))
         current = calls.current
         if since is None or current is None or self._cross_reported or time.time() - since <= _CROSS_GRACE:
             return None
@@ -383,30 +370,21 @@ class Watchdog:
         if self._told_wait != self._watched_key:
             self._told_wait = self._watched_key
             self._tell_others({"call": mine, "counts": own_counts}, _WAITING)
-        for peer, wait in sorted(self._peer_waits.items()):
-            theirs = wait["call"]
-            if (
-                theirs["key"] != mine["key"]
-                and peer in mine["members"]
-                and self.rank in theirs["members"]
-                and wait["counts"].get(mine["key"], 0) < mine["count"]
-                and own_counts.get(theirs["key"], 0) < theirs["count"]
-            ):
-                self._cross_reported = True
-                return self._alarm(time.time() - since, crossed={"rank": peer, "call": theirs})
-        return None
+        crossed = crossed_peer(self.rank, mine, own_counts, self._peer_waits)
+        if crossed is None:
+            return None
+        self._cross_reported = True
+        return self._alarm(time.time() - since, crossed={"rank": crossed, "call": self._peer_waits[crossed]["call"]})
 
     def _waiting_for_ended(self, since: float | None) -> dict[str, Any] | None:
-        """The alarm of a rank that waits in a collective whose communicator holds a rank that has ended its script
-        (sent to every rank), else ``None``. Both the wait and the knowledge of the end have lasted
-        :data:`_SKIP_GRACE` seconds (a call the ended rank had posted completes within moments)."""
+        """The alarm of a rank that waits for ranks that ended their script
+        (:func:`~mpistrategy.comm.deadlocks.ended_members`; sent to every rank), else ``None``; once."""
         for peer, _ in self._arrived(_ENDED):
             self._peers_ended.setdefault(peer, time.time())
         current, now = calls.current, time.time()
         if since is None or current is None or now - since <= _SKIP_GRACE:
             return None
-        members = calls.members(current.channel)
-        gone = sorted(peer for peer, at in self._peers_ended.items() if peer in members and now - at > _SKIP_GRACE)
+        gone = ended_members(calls.members(current.channel), self._peers_ended, now, _SKIP_GRACE)
         if not gone:
             return None
         self._peers_ended.clear()  # reported once
@@ -419,7 +397,7 @@ class Watchdog:
             "rank": self.rank,
             "waited": waited,
             "call": _call_state(calls.current),
-            "where": _innermost(self._waiting_frames()),
+            "where": calls.innermost_inside(self._waiting_frames()),
             "last": _call_state(calls.last),
             **cause,
         }
@@ -476,15 +454,15 @@ class Watchdog:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "time": time.time(),
-            "inside": any(_inside_package(frame) for frame in frames.values()),
+            "inside": any(calls.inside_package(frame) for frame in frames.values()),
             "ended": self._ended,
             "current": _call_state(current),
             "last": _call_state(calls.last),
             "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
             "entered": dict(self._entered),
             "evaluation": calls.evaluation,
-            "where": _innermost(frames),
-            "now": _now_at(frames.get(threading.main_thread().ident or 0)),
+            "where": calls.innermost_inside(frames),
+            "now": calls.now_at(frames.get(threading.main_thread().ident or 0)),
             "stacks": stacks,
         }
 
@@ -543,22 +521,6 @@ def _call_state(call: calls.Call | None) -> dict[str, Any] | None:
     if call is None:
         return None
     return {**call.as_dict(), "members": list(calls.members(call.channel)), "key": calls.key(call.channel)}
-
-
-def _now_at(frame: FrameType | None) -> str:
-    """``file:line (in function)`` of a thread's innermost frame."""
-    if frame is None:
-        return "?"
-    return f"{calls.short_path(frame.f_code.co_filename)}:{frame.f_lineno} (in {frame.f_code.co_name})"
-
-
-def _innermost(frames: dict[int, FrameType]) -> str | None:
-    """``function (file:line)`` of the innermost mpistrategy frame of a watched thread that waits in mpistrategy."""
-    for frame in frames.values():
-        if _inside_package(frame):
-            where = f"{frame.f_code.co_filename.removeprefix(_PACKAGE_ROOT)}:{frame.f_lineno}"
-            return f"{frame.f_code.co_name} (mpistrategy/{where})"
-    return None
 
 
 def _write(text: str) -> None:

@@ -47,11 +47,9 @@ except ImportError:  # the core install has no Lightning
     require("lightning", "mpistrategy's Trainer strategy (mpi_ad)")
     raise
 from torch import Tensor
-from torch.utils.data import IterableDataset
 
 from mpistrategy.comm import calls, watchdog
-from mpistrategy.comm.stall_report import uneven_batches
-from mpistrategy.strategy import checkpoints, failures, random_state
+from mpistrategy.strategy import checkpoints, failures, passes, random_state, sync
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.framework import LIGHTNING, framework
@@ -460,7 +458,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         drew), restore this rank's random state here; one saved within an epoch is restored before the first batch
         (:meth:`_before_training_batch`). A new pass (fit, epoch) for the watchdog, which learns the number of
         batches the epoch will have where Lightning knows it (a sized loader, or ``limit_train_batches``); where
-        every rank knows it exactly, the ranks compare it at once (:meth:`_check_even_batches`)."""
+        every rank knows it exactly, the ranks compare it at once (:mod:`~mpistrategy.strategy.passes`)."""
         if self._random_state_at_epoch_end and self._random_state_to_restore is not None:
             random_state.restore(self._random_state_to_restore)
             self._random_state_to_restore = None
@@ -474,24 +472,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._one_loader = not isinstance(loaders, (list, tuple, dict)) or len(loaders) == 1
         if trainer.num_training_batches != float("inf"):
             watchdog.training_batches(training_pass, int(trainer.num_training_batches), "planned")
-        self._check_even_batches(trainer, loaders)
-
-    def _check_even_batches(self, trainer: Any, loaders: Any) -> None:
-        """Collective, at the start of a training pass: raise on every rank, before any batch, when the ranks'
-        loaders (all sized, none over an IterableDataset, whose length is only a hint) give the epoch different
-        numbers of batches; the ranks would pair the collectives of different batches and epochs. Streams are
-        left to the watchdog, which compares where their data ends."""
-        if self.world_size == 1:
-            return
-        planned = trainer.num_training_batches
-        exact = planned != float("inf") and not any(
-            isinstance(getattr(unwrapped(loader), "dataset", None), IterableDataset) for loader in _flattened(loaders)
-        )
-        counts = self.topology.control.allgather(int(planned) if exact else -1)
-        if -1 in counts or len(set(counts)) == 1:
-            return
-        problem = uneven_batches(trainer.current_epoch, dict(enumerate(counts)))
-        raise failures.mark_raised_on_every_rank(ValueError(f"mpi_ad: {problem}"))
+        passes.check_even_batches(trainer, loaders, self.topology.control)
 
     def _training_pass_ended(self, batches: int) -> None:
         """The training data of this pass ended after ``batches`` batches: every rank's watchdog is told (a rank
@@ -545,26 +526,29 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._start_evaluation("predict")
 
     def _start_evaluation(self, stage: str) -> None:
-        """Sync torchmetrics' states through MPI; record the pass and its batches per dataloader, so that a
-        collective mismatch or a stall in it names ranks whose evaluation data differs."""
+        """Sync torchmetrics' states through MPI; give every rank rank 0's buffers (see :meth:`_share_buffers`);
+        record the pass and its batches per dataloader, so that a collective mismatch or a stall in it names ranks
+        whose evaluation data differs."""
         self._attach_metric_sync()
-        trainer = self.lightning_module.trainer
-        if trainer.sanity_checking:
-            stage, batches = "sanity check", trainer.num_sanity_val_batches
-        else:
-            batches = {"validation": trainer.num_val_batches, "test": trainer.num_test_batches}.get(
-                stage, trainer.num_predict_batches
-            )
-        calls.set_evaluation(stage, batches)
+        self._share_buffers()
+        calls.set_evaluation(*passes.evaluation_batches(self.lightning_module.trainer, stage))
+
+    def _share_buffers(self) -> None:
+        """Collective, before an evaluation pass where the ranks hold one replica (``flat``, ``hierarchical``: equal
+        parameters): every rank gets rank 0's buffers. BatchNorm's running statistics follow each rank's own batches
+        in training, so the ranks would otherwise evaluate different models, and a checkpoint would keep rank 0's
+        (DDP broadcasts rank 0's buffers before its forward passes)."""
+        engine, module = self._engine, self.lightning_module
+        if engine is None or module is None or self.world_size == 1 or engine.sync.replicas != "world":
+            return
+        buffers = [buffer for buffer in module.buffers() if buffer.numel()]
+        if buffers:
+            sync.broadcast_tensors(buffers, self.topology.control)
 
     def on_validation_end(self) -> None:
         calls.end_evaluation()
 
-    def on_test_end(self) -> None:
-        calls.end_evaluation()
-
-    def on_predict_end(self) -> None:
-        calls.end_evaluation()
+    on_test_end = on_predict_end = on_validation_end
 
     def _check_stop(self, trainer: Any) -> None:
         """Between two optimizer steps, on every rank: stop together if any rank received a stop signal.
@@ -611,12 +595,3 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
 class MPIADStrategy(MPIADStrategyMixin, ParallelStrategy):
     """Data-parallel training over MPI for ``lightning.pytorch`` (see :class:`MPIADStrategyMixin` for options)."""
-
-
-def _flattened(loaders: Any) -> list[Any]:
-    """The loaders of ``trainer.train_dataloader`` (one, or a list, tuple or dict of them, nested)."""
-    if isinstance(loaders, dict):
-        loaders = list(loaders.values())
-    if isinstance(loaders, (list, tuple)):
-        return [inner for loader in loaders for inner in _flattened(loader)]
-    return [loaders]

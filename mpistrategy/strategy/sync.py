@@ -147,7 +147,12 @@ def broadcast_module_state(module: nn.Module, comm: MPI.Intracomm, root: int = 0
     if comm.Get_size() == 1:
         return
     check_same_module(module, comm, root)
-    tensors = _unique(list(module.parameters()) + list(module.buffers()))
+    broadcast_tensors(_unique(list(module.parameters()) + list(module.buffers())), comm, root)
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], comm: MPI.Intracomm, root: int = 0) -> None:
+    """Overwrite ``tensors`` (the same list on every rank) with rank ``root``'s values, in place: packed into one
+    flat buffer per dtype and device, one broadcast each."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():

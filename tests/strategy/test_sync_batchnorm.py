@@ -13,6 +13,7 @@ from torch import nn
 
 from mpistrategy import CommunicationError
 from mpistrategy.nn import SyncBatchNorm
+from mpistrategy.strategy import MPIADStrategy
 from tests.strategy.helpers import COMM, RANK, SIZE, Regressor, epoch_order, loader, mlp, regression_data, trainer
 
 
@@ -153,3 +154,40 @@ def test_trainer_sync_batchnorm_matches_single_process() -> None:
         optimizer.step()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(model.net.state_dict()[key], value, rtol=1e-10, atol=1e-12, msg=key)
+
+
+class _BuffersAtEvaluation(L.Callback):
+    """Every rank's BatchNorm running statistics when each validation and test pass begins."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[torch.Tensor]] = []
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.seen.append(COMM.allgather(torch.cat([module.net[1].running_mean, module.net[1].running_var])))
+
+    on_test_epoch_start = on_validation_epoch_start
+
+
+class _Validated(Regressor):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
+    test_step = validation_step
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+@pytest.mark.parametrize("sync_name", ["flat", "hierarchical"])
+def test_plain_batchnorm_is_evaluated_with_rank_zeros_running_statistics_on_every_rank(sync_name: str) -> None:
+    """Without sync_batchnorm each rank's running statistics follow its own batches in training; every validation
+    and test pass begins with rank 0's on every rank (as DDP broadcasts them), which a checkpoint keeps too."""
+    data = regression_data(SIZE * 4 * 6, seed=3)
+    model = _Validated(mlp(seed=5, batchnorm=True), lr=0.2)
+    watch = _BuffersAtEvaluation()
+    strategy = MPIADStrategy(sync=sync_name)
+    run = trainer(max_epochs=2, strategy=strategy, callbacks=[watch], num_sanity_val_steps=0, limit_val_batches=2)
+    run.fit(model, loader(data, 4), loader(data, 4))
+    run.test(model, loader(data, 4))
+    assert len(watch.seen) == 3  # two validation passes and the test
+    for ranks in watch.seen:
+        assert all(torch.equal(stats, ranks[0]) for stats in ranks), "ranks evaluate different running statistics"
+    assert not torch.equal(watch.seen[0][0], watch.seen[1][0])  # the statistics moved in training
