@@ -49,7 +49,12 @@ register_configs()
 
 
 class _BuildFailed(RuntimeError):
-    """Building failed on some rank (its error is reported where it happened): report and exit, no abort needed."""
+    """Building failed on some rank (its error is reported where it happened): report and exit, no abort needed.
+    ``quiet``: another rank prints the same message."""
+
+    def __init__(self, message: str, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def _failed_ranks(ok: bool) -> list[int]:
@@ -210,7 +215,8 @@ def train(cfg: DictConfig) -> float | None:
         raise _BuildFailed(
             f"the ranks composed different configs: {differing}. Every rank must run the same command with the same "
             "overrides; a value that differs between ranks comes from the environment (an ${oc.env:...} "
-            "interpolation, a launcher that passes other arguments to some ranks)."
+            "interpolation, a launcher that passes other arguments to some ranks).",
+            quiet=hydra_mpi.rank() != 0,
         )
     # Build on every rank; agree on the outcome before anything collective happens.
     try:
@@ -232,7 +238,8 @@ def train(cfg: DictConfig) -> float | None:
             f"strategy={cfg.strategy.get('name', '?')} makes a Trainer of {run.trainer.world_size} process(es) "
             f"({type(run.trainer.strategy).__name__}) on each of the {hydra_mpi.size()} MPI ranks: every rank would "
             "train alone and write the same run dir. Use an MPI strategy (strategy=mpi_ad, or another choice of "
-            "conf/strategy), or run one process."
+            "conf/strategy), or run one process.",
+            quiet=hydra_mpi.rank() != 0,
         )
 
     ckpt_path = resume_checkpoint(cfg, output_dir)
@@ -351,7 +358,8 @@ def main() -> None:
     except (SystemExit, KeyboardInterrupt):
         raise
     except _BuildFailed as exc:
-        sys.stderr.write(f"[rank {hydra_mpi.rank()}] {exc}\n")
+        if not exc.quiet:
+            sys.stderr.write(f"[rank {hydra_mpi.rank()}] {exc}\n")
         sys.exit(1)
     except BaseException as exc:
         if user_full_error:
