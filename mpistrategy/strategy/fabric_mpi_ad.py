@@ -12,7 +12,8 @@ calls:
   raise on every rank). Each further model set up gets its own engine, with copies of the configured sync mode and
   aggregator and its own gradient communicators (two models' buckets in one backward pass never mix).
 - ``fabric.backward(loss)``: the buckets are combined during backward and finished before it returns, so clipping
-  and the optimizer step see the average over the ranks. Inside ``fabric.no_backward_sync(model)`` backward only
+  and the optimizer step see the average over the ranks; under ``flat`` and ``hierarchical`` every rank then holds
+  rank 0's buffers (BatchNorm statistics), as under DDP. Inside ``fabric.no_backward_sync(model)`` backward only
   accumulates; the next synchronised backward averages the accumulated sum (gradient accumulation, one exchange
   per optimizer step).
 - ``optimizer.step()``: then the sync mode's parameter work (model averaging under local SGD, DASO, gossip) and
@@ -57,7 +58,7 @@ except ImportError:  # the core install has no Lightning
 from torch import Tensor, nn
 
 from mpistrategy.comm import watchdog
-from mpistrategy.strategy import checkpoints, failures
+from mpistrategy.strategy import checkpoints, failures, sync
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
@@ -188,15 +189,21 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Backward with the gradient buckets armed (unless inside ``no_backward_sync``) and finished: on return,
-        ``.grad`` holds the average over the ranks."""
-        engines = self._engines_of(module)
-        for owner, engine in engines:
+        ``.grad`` holds the average over the ranks. After a synchronised backward under a mode that keeps one replica
+        (``flat``, ``hierarchical``) every rank holds rank 0's buffers, as under DDP: BatchNorm's running statistics
+        would otherwise follow each rank's own batches, and the ranks would evaluate different models."""
+        engines = [
+            (owner, engine, not self._backward_sync_control.skips(owner)) for owner, engine in self._engines_of(module)
+        ]
+        for _, engine, synchronised in engines:
             if engine.sync.uses_loss and tensor.numel() == 1:
                 engine.record_loss(tensor)
-            engine.pre_backward(not self._backward_sync_control.skips(owner), tensor)
+            engine.pre_backward(synchronised, tensor)
         super().backward(tensor, module, *args, **kwargs)
-        for _, engine in engines:
+        for owner, engine, synchronised in engines:
             engine.post_backward()
+            if synchronised and engine.sync.replicas == "world":
+                sync.share_buffers(owner, self.topology.control)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The optimizer step, the sync mode's parameter work for the model it stepped, then the coordinated stop

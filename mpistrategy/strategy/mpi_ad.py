@@ -541,9 +541,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         engine, module = self._engine, self.lightning_module
         if engine is None or module is None or self.world_size == 1 or engine.sync.replicas != "world":
             return
-        buffers = [buffer for buffer in module.buffers() if buffer.numel()]
-        if buffers:
-            sync.broadcast_tensors(buffers, self.topology.control)
+        sync.share_buffers(module, self.topology.control)
 
     def on_validation_end(self) -> None:
         calls.end_evaluation()

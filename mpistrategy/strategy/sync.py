@@ -46,16 +46,23 @@ def reduce_op_name(reduce_op: Any) -> str:
 
 
 def reduce_tensor(tensor: torch.Tensor, reduce_op: Any, comm: Communicator) -> torch.Tensor:
-    """``tensor`` reduced over all ranks (as Lightning's DDP does, integer means are truncated to the dtype)."""
+    """``tensor`` reduced over all ranks, in place and returned, as Lightning's DDP does (integer means truncated to
+    the dtype). Two cases return a new tensor and leave ``tensor`` as it is: a tensor that requires grad (the result
+    is differentiable: the adjoint of the sum is the sum of the cotangents, of the mean their mean) and the sum of
+    a bool tensor (int64 counts)."""
     op = reduce_op_name(reduce_op)
     if comm.size == 1:
         return tensor
     if op == "avg" and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
-        total = allreduce(tensor, "sum", comm)
-        return (total / comm.size).to(tensor.dtype)
-    if tensor.dtype == torch.bool and op in ("sum", "avg"):
+        result = (allreduce(tensor, "sum", comm) / comm.size).to(tensor.dtype)
+    elif tensor.dtype == torch.bool and op in ("sum", "avg"):
         return allreduce(tensor.to(torch.int64), "sum", comm)
-    return allreduce(tensor.contiguous(), op, comm)
+    else:
+        result = allreduce(tensor.contiguous(), op, comm)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return result
+    with torch.no_grad():
+        return tensor.copy_(result)
 
 
 def all_gather(tensor: torch.Tensor, comm: Communicator, sync_grads: bool) -> torch.Tensor:
@@ -148,6 +155,14 @@ def broadcast_module_state(module: nn.Module, comm: MPI.Intracomm, root: int = 0
         return
     check_same_module(module, comm, root)
     broadcast_tensors(_unique(list(module.parameters()) + list(module.buffers())), comm, root)
+
+
+def share_buffers(module: nn.Module, comm: MPI.Intracomm) -> None:
+    """Collective: every rank gets rank 0's buffers of ``module`` (BatchNorm's running statistics, which follow each
+    rank's own batches in training), as DDP's buffer broadcast."""
+    buffers = [buffer for buffer in module.buffers() if buffer.numel()]
+    if buffers:
+        broadcast_tensors(buffers, comm)
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], comm: MPI.Intracomm, root: int = 0) -> None:

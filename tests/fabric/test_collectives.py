@@ -1,6 +1,6 @@
 """Fabric's collectives under mpi_ad against references computed from every rank's known values: all_reduce (every
-op, floats, integers, booleans, collections), all_gather (shapes, collections, the adjoint with sync_grads),
-broadcast, barrier and reduce_boolean_decision."""
+op, floats, integers, booleans, collections, in place as DDP's), all_gather (shapes, collections, the adjoint with
+sync_grads), broadcast, barrier and reduce_boolean_decision."""
 
 from __future__ import annotations
 
@@ -54,6 +54,27 @@ def test_all_reduce_integers_booleans_and_collections() -> None:
     nested = fabric.all_reduce({"a": _value(RANK), "b": [torch.tensor(float(RANK))], "tag": "kept"}, reduce_op="sum")
     torch.testing.assert_close(nested["a"], EVERY_VALUE.sum(0), rtol=0, atol=1e-12)
     assert nested["b"][0].item() == sum(range(SIZE)) and nested["tag"] == "kept"
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_all_reduce_is_in_place_unless_differentiated() -> None:
+    # as DDP: the tensor given holds the result (also an integer mean, and a non-contiguous view)
+    fabric = launched()
+    value = _value(RANK)
+    assert fabric.all_reduce(value, reduce_op="sum") is value
+    torch.testing.assert_close(value, EVERY_VALUE.sum(0), rtol=0, atol=1e-12)
+    counts = torch.tensor([RANK + 1, 7 * RANK])
+    fabric.all_reduce(counts, reduce_op="mean")
+    assert counts.tolist() == [sum(r + 1 for r in range(SIZE)) // SIZE, sum(7 * r for r in range(SIZE)) // SIZE]
+    column = _value(RANK).t()[0]
+    fabric.all_reduce(column, reduce_op="max")
+    torch.testing.assert_close(column, EVERY_VALUE.amax(0)[:, 0], rtol=0, atol=0)
+    # a tensor that requires grad keeps its value; the result is differentiable (the mean's adjoint: the mean)
+    x = _value(RANK).requires_grad_(True)
+    mean = fabric.all_reduce(x, reduce_op="mean")
+    torch.testing.assert_close(x.detach(), _value(RANK), rtol=0, atol=0)
+    (mean * (RANK + 1)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 2), sum(r + 1 for r in range(SIZE)) / SIZE, dtype=x.dtype))
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)

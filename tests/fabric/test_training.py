@@ -1,5 +1,6 @@
 """Fabric with mpi_ad: N ranks with per-rank batch b train exactly like one process with batch N*b (float64), with
-and without ``no_backward_sync`` accumulation; two models in one backward pass; a sync mode (local SGD)."""
+and without ``no_backward_sync`` accumulation; two models in one backward pass; a sync mode (local SGD); BatchNorm
+statistics after synchronised steps."""
 
 from __future__ import annotations
 
@@ -171,3 +172,42 @@ def test_local_sgd_by_name_averages_models_every_period() -> None:
         torch.testing.assert_close(after_step[step], flat_parameters(replicas[RANK]), **TOLERANCE)
     assert not torch.equal(COMM.allgather(after_step[0])[0], COMM.allgather(after_step[0])[1])  # a local step
     _same_on_every_rank(after_step[-1])
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=90)
+@pytest.mark.parametrize("mode", ["flat", "local_sgd"])
+def test_batchnorm_statistics_follow_rank_zero_after_each_synchronised_step(mode: str) -> None:
+    # under flat every rank then holds rank 0's running statistics (as DDP's buffer broadcast): a BatchNorm fed only
+    # rank 0's batches is the reference; local SGD (no averaging within these steps) keeps each rank's own replica,
+    # buffers included
+    strategy = MPIADFabricStrategy(sync=LocalSGD(period=100)) if mode == "local_sgd" else MPIADFabricStrategy()
+    fabric = launched(strategy)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.BatchNorm1d(3, momentum=0.3), nn.Linear(3, 1)).double()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    own = nn.BatchNorm1d(3, momentum=0.3).double()  # this rank's batches only
+    from_rank_zero = nn.BatchNorm1d(3, momentum=0.3).double()
+    for step in range(4):
+        batches = [
+            torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + r)) * (r + 1)
+            for r in range(SIZE)
+        ]
+        accumulating = step % 2 == 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            fabric.backward(model(batches[RANK]).pow(2).mean())
+        own(batches[RANK])
+        from_rank_zero(batches[0])
+        if not accumulating:
+            opt.step()
+            opt.zero_grad()
+            if mode == "flat":
+                own.load_state_dict(from_rank_zero.state_dict())
+            else:
+                from_rank_zero.load_state_dict(own.state_dict())
+    bn = model.module[0] if hasattr(model, "module") else model[0]
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(bn, name), getattr(own, name), rtol=1e-12, atol=1e-12)
+    if mode == "flat":
+        _same_on_every_rank(bn.running_mean)
+    else:
+        assert not torch.equal(COMM.allgather(bn.running_mean)[0], COMM.allgather(bn.running_mean)[1])

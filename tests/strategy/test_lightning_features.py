@@ -144,12 +144,17 @@ def test_reduce_broadcast_barrier() -> None:
 
     strategy = trainer().strategy
     value = torch.tensor([float(RANK), 1.0])
-    assert strategy.reduce(value, reduce_op="sum").tolist() == [SIZE * (SIZE - 1) / 2, SIZE]
-    assert strategy.reduce(value).tolist() == pytest.approx([(SIZE - 1) / 2, 1.0])
-    assert strategy.reduce(value, reduce_op="max").tolist() == [SIZE - 1, 1.0]
-    assert strategy.reduce(value, reduce_op="min").tolist() == [0.0, 1.0]
-    assert strategy.reduce(value, reduce_op=ReduceOp.SUM).tolist() == [SIZE * (SIZE - 1) / 2, SIZE]
-    assert strategy.reduce(value, reduce_op=ReduceOp.MAX).tolist() == [SIZE - 1, 1.0]
+    assert strategy.reduce(value, reduce_op="sum") is value  # in place, as DDP
+    assert value.tolist() == [SIZE * (SIZE - 1) / 2, SIZE]
+
+    def fresh() -> torch.Tensor:
+        return torch.tensor([float(RANK), 1.0])
+
+    assert strategy.reduce(fresh()).tolist() == pytest.approx([(SIZE - 1) / 2, 1.0])
+    assert strategy.reduce(fresh(), reduce_op="max").tolist() == [SIZE - 1, 1.0]
+    assert strategy.reduce(fresh(), reduce_op="min").tolist() == [0.0, 1.0]
+    assert strategy.reduce(fresh(), reduce_op=ReduceOp.SUM).tolist() == [SIZE * (SIZE - 1) / 2, SIZE]
+    assert strategy.reduce(fresh(), reduce_op=ReduceOp.MAX).tolist() == [SIZE - 1, 1.0]
     assert strategy.reduce(torch.tensor(RANK * 2), reduce_op="mean").item() == (SIZE - 1)  # integer mean
     assert strategy.reduce("not a tensor") == "not a tensor"
     obj = {"from": RANK, "tensor": torch.arange(3) * RANK, "nested": [RANK, {"x": "y"}]}
