@@ -93,7 +93,10 @@ class DataParallelEngine:
         rank: each rank checks the same configuration, and a failure on some ranks only is agreed on; so does
         ``problem``, one the caller found on this rank (raised where no options problem is)."""
         self.module, self.optimizers = module, list(optimizers)
-        self._agree_on(self._options_problem() or problem, "checking the sync mode and shard options")
+        self._agree_on(
+            self._options_problem() or _sparse_gradient_problem(module) or problem,
+            "checking the sync mode and shard options",
+        )
         if (
             self.topology.rank == 0
             and not isinstance(self.aggregator, MeanAggregator)
@@ -351,3 +354,20 @@ def _described(optimizer: torch.optim.Optimizer) -> str:
         for group in optimizer.param_groups
     ]
     return f"{type(optimizer).__name__}({' | '.join(groups)})"
+
+
+def _sparse_gradient_problem(module: nn.Module) -> ValueError | None:
+    """Embeddings of ``module`` that would give trainable parameters sparse gradients, which the gradient buckets
+    (dense, flat) cannot hold."""
+    sparse = [
+        f"{name}.weight"
+        for name, child in module.named_modules()
+        if isinstance(child, nn.Embedding | nn.EmbeddingBag) and child.sparse and child.weight.requires_grad
+    ]
+    if not sparse:
+        return None
+    return ValueError(
+        f"mpi_ad averages dense gradients only, and {', '.join(repr(name) for name in sparse)} would get sparse "
+        "ones; build the embedding with sparse=False (and use a dense optimizer, e.g. Adam instead of SparseAdam)."
+    )
+

@@ -1,6 +1,6 @@
 """Fabric with mpi_ad: N ranks with per-rank batch b train exactly like one process with batch N*b (float64), with
 and without ``no_backward_sync`` accumulation; two models in one backward pass; a sync mode (local SGD); BatchNorm
-statistics after synchronised steps."""
+statistics after synchronised steps; sparse embeddings refused at setup."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mpistrategy.strategy import MPIADFabricStrategy
-from mpistrategy.sync import LocalSGD
+from mpistrategy.sync import LocalSGD, SyncConfigurationError
 from tests.fabric.helpers import (
     COMM,
     OPTIMIZERS,
@@ -211,3 +211,22 @@ def test_batchnorm_statistics_follow_rank_zero_after_each_synchronised_step(mode
         _same_on_every_rank(bn.running_mean)
     else:
         assert not torch.equal(COMM.allgather(bn.running_mean)[0], COMM.allgather(bn.running_mean)[1])
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=90)
+@pytest.mark.parametrize("sparse_on", ["every rank", "rank 1"])
+def test_sparse_embedding_refused_at_setup_and_not_kept(sparse_on: str) -> None:
+    fabric = launched()
+    sparse = sparse_on == "every rank" or RANK == 1
+    embedding = nn.Sequential(nn.Embedding(10, 3, sparse=sparse))
+    expected = ValueError if sparse else SyncConfigurationError
+    with pytest.raises(
+        expected,
+        match="'0.weight' would get sparse ones; build the embedding with sparse=False" if sparse else "rank 1",
+    ):
+        fabric.setup(embedding, torch.optim.SGD(embedding.parameters(), lr=0.1))
+    # the refused model has no engine: a backward through another model (Fabric names none) averages that one
+    net = nn.Linear(3, 1).double()
+    model, _ = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    fabric.backward(model(torch.full((1, 3), float(RANK), dtype=torch.float64)).sum())
+    torch.testing.assert_close(net.weight.grad, torch.full((1, 3), (SIZE - 1) / 2, dtype=torch.float64))
