@@ -11,6 +11,8 @@ rank writes ``.hydra/``, the log file and ``multirun.yaml``. What this module ad
 - ``${mpi_rank:}`` and ``${mpi_size:}``.
 - :class:`RankStreamHandler` / :class:`RankFileHandler`: logging handlers that keep other ranks quiet and file-less
   (or write ``<name>.rank<r>.log`` when asked).
+- :class:`OneSweepDir`: a Hydra callback that keeps every point of a sweep in the sweep's dir, also points that set
+  their own ``task_name`` (``-m experiment=digits_mlp,digits_cnn``).
 - :func:`quiet_other_ranks`: Hydra's basic sweeper writes ``multirun.yaml`` on whichever rank runs it; on ranks
   other than 0 that write is skipped.
 
@@ -21,10 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from datetime import datetime
 from typing import Any
 
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, read_write
 
 _run_id: str | None = None
 
@@ -137,6 +141,30 @@ class RankFileHandler(logging.Handler):
         if self._inner is not None:
             self._inner.close()
         super().close()
+
+
+# --- the sweep dir ----------------------------------------------------------------------------------------------------
+
+
+class OneSweepDir(Callback):
+    """Hydra callback, every rank: pin ``hydra.sweep.dir`` to the sweep's value for every point.
+
+    Hydra composes each point's config anew and resolves ``hydra.sweep.dir`` in it, so a point whose overrides change
+    what the dir names (``${task_name}``, set by each ``experiment=``) would land in a dir of its own, where the
+    comparison of the sweep never looks. The value resolved in the sweep's config becomes a Hydra override of every
+    point's (as if given as ``hydra.sweep.dir=...``; recorded in ``multirun.yaml``).
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with read_write(config.hydra.overrides):
+            config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(str(config.hydra.sweep.dir))}")
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a quoted string of Hydra's override grammar: quotes escaped, and the backslashes before them or
+    at the end; ``${`` escaped so that OmegaConf does not read an interpolation."""
+    body = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value)
+    return "'" + body.replace("${", "\\${") + "'"
 
 
 # --- multirun.yaml ----------------------------------------------------------------------------------------------------

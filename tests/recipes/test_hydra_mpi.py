@@ -99,6 +99,24 @@ def test_a_sweep_point_failing_inside_fit_on_every_rank_is_listed_and_the_sweep_
     assert rows[0]["error"] == "ValueError: Invalid learning rate: -0.1" and float(rows[1]["final"]) > 0
 
 
+def test_a_sweep_over_experiments_keeps_its_points_in_one_sweep_dir(tmp_path: Path) -> None:
+    """Each experiment sets its own task_name; the points still share the sweep's dir (named by the sweep's
+    task_name) and its comparison."""
+    command = [*mpiexec_command(), "-n", "2", *train_command(), "-m", "experiment=debug,digits_mlp", *FAST[1:]]
+    command += ["trainer.max_epochs=1", "trainer.limit_train_batches=2"]
+    run(command, tmp_path, timeout=420, MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"))
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["train"]
+    (sweep,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    with (sweep / "comparison.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "completed")]
+    assert [row["overrides"].split()[0] for row in rows] == ["experiment=debug", "experiment=digits_mlp"]
+    assert [json.loads((sweep / job / "summary.json").read_text())["task_name"] for job in "01"] == [
+        "debug",
+        "digits_mlp",
+    ]
+
+
 @pytest.mark.parametrize("ranks", [2])
 def test_the_main_job_reaches_95_percent(tmp_path: Path, ranks: int) -> None:
     """The default job (no arguments) on 2 ranks: digits MLP, mpi_ad, >= 95 % validation accuracy.
