@@ -2,7 +2,8 @@
 
 Rank 0 only: the callers check the rank. Reads what Lightning's CSVLogger wrote (``<run dir>/csv/metrics.csv``).
 Each run writes its outcome to ``<job dir>/status.json``: ``started`` when it starts, ``completed`` or ``failed``
-(with the error) when it ends, so that a run killed on the way (a time limit, a rank's abort) stays ``started``.
+(with the error) when it ends, ``stopped`` when a stop signal ended it after a checkpoint (resumable), so that a
+run killed on the way (a time limit, a rank's abort) stays ``started``.
 In a sweep the comparison is rewritten as each point ends, over the points done so far: a point that fails (which
 makes Hydra's sweeper stop before its end-of-sweep callback) leaves the comparison of the others, with itself
 listed as failed. A job array's points are single runs (their statuses are read by
@@ -31,7 +32,7 @@ CURVES_FILE = "curves.png"
 COMPARISON_PNG = "comparison.png"
 COMPARISON_CSV = "comparison.csv"
 STATUS_FILE = "status.json"
-STARTED, COMPLETED, FAILED = "started", "completed", "failed"
+STARTED, COMPLETED, FAILED, STOPPED = "started", "completed", "failed", "stopped"
 
 
 # --- reading metrics --------------------------------------------------------------------------------------------------
@@ -201,8 +202,8 @@ def plot_curves(series: dict[str, list[tuple[float, float, float]]], path: str |
 
 def compare_sweep(sweep_dir: str | Path, objective: str | None = None) -> list[dict[str, Any]]:
     """Collect every job's ``summary.json`` and ``status.json`` under ``sweep_dir``; write ``comparison.csv`` and
-    ``comparison.png``. A job is listed as failed, or as started only (killed on the way), when its ``status.json``
-    says so (it then has no values)."""
+    ``comparison.png``. A job is listed as failed, stopped (resumable) or started only (killed on the way), when
+    its ``status.json`` says so (it then has no values)."""
     sweep_dir = Path(sweep_dir)
     job_dirs = {path.parent for name in (SUMMARY_FILE, STATUS_FILE) for path in sweep_dir.glob(f"*/{name}")}
     points = [_point(job, objective) for job in sorted(job_dirs, key=lambda p: _job_order(p.name))]
@@ -258,8 +259,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def write_status(job_dir: str | Path, overrides: list[str], state: str, error: BaseException | None = None) -> None:
-    """``<job_dir>/status.json``: ``state`` (``started``, ``completed`` or ``failed``; with the first line of the
-    error that caused ``error``: Hydra's ``InstantiationException`` only says which target failed)."""
+    """``<job_dir>/status.json``: ``state`` (``started``, ``completed``, ``failed``, or ``stopped`` by a stop
+    signal after a checkpoint, resumable; with the first line of the error that caused ``error``: Hydra's
+    ``InstantiationException`` only says which target failed)."""
     status: dict[str, Any] = {"status": state, "overrides": list(overrides)}
     if error is not None:
         while error.__cause__ is not None:
@@ -275,7 +277,7 @@ def _job_order(name: str) -> tuple[int, str]:
     return (int(name), name) if name.isdigit() else (1 << 30, name)
 
 
-_NOT_ENDED = {FAILED: FAILED, STARTED: "did not end"}
+_NOT_ENDED = {FAILED: FAILED, STARTED: "did not end", STOPPED: "stopped (resumable)"}
 
 
 def plot_comparison(points: list[dict[str, Any]], path: str | Path) -> None:
@@ -289,7 +291,10 @@ def plot_comparison(points: list[dict[str, Any]], path: str | Path) -> None:
     fig, (ax_bar, ax_curve) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"#{p['job']}: {p.get('label', p['overrides'])}" for p in points]
     values = [p["value"] if p["value"] is not None else 0.0 for p in points]
-    colors = [{FAILED: "tab:red", STARTED: "tab:gray"}.get(p.get("status", ""), "tab:blue") for p in points]
+    colors = [
+        {FAILED: "tab:red", STARTED: "tab:gray", STOPPED: "tab:orange"}.get(p.get("status", ""), "tab:blue")
+        for p in points
+    ]
     bars = ax_bar.barh(range(len(points)), values, color=colors)
     ax_bar.set_yticks(range(len(points)), labels, fontsize=8)
     ax_bar.invert_yaxis()

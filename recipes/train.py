@@ -251,6 +251,7 @@ def train(cfg: DictConfig) -> float | None:
             run.trainer.test(run.model, datamodule=run.datamodule)
     except BaseException as exc:
         if failures.is_coordinated_stop(exc):
+            _record_stop(cfg, output_dir)
             _log_stop(run, output_dir)
         elif isinstance(exc, Exception) and not failures.raised_on_every_rank(exc):
             failures.abort(exc)  # other ranks may be inside a collective; returns only with one rank
@@ -290,6 +291,24 @@ def train(cfg: DictConfig) -> float | None:
             table=cfg.summary.table,
         )
     return metrics.get(cfg.objective)
+
+
+def _record_stop(cfg: DictConfig, output_dir: Path) -> None:
+    """Rank 0, after a coordinated stop (which ends the program before Hydra's end-of-job callbacks): the run's
+    ``status.json`` says ``stopped``; in a sweep, the comparison is rewritten with the point listed so."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from mpistrategy.recipes.summary import STOPPED, compare_sweep, write_status
+
+    if hydra_mpi.rank() != 0:
+        return
+    try:
+        write_status(output_dir, _hydra_info().get("overrides", []), STOPPED)
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            compare_sweep(HydraConfig.get().sweep.dir, cfg.objective)
+    except Exception as exc:  # the stop must end the program as decided
+        log.warning("could not record the stop in %s: %s", output_dir, exc)
 
 
 def _log_stop(run: Any, output_dir: Path) -> None:

@@ -96,6 +96,8 @@ def test_a_stop_mid_epoch_and_the_rerun_end_bit_identical_to_an_uninterrupted_ru
     assert [p.name for p in run_dir.glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_1.ckpt"]
     assert torch.load(run_dir / "hpc_ckpt_1.ckpt", weights_only=True)["global_step"] == 31
     assert not (run_dir / "summary.json").exists()
+    comm.Barrier()  # rank 0 wrote the status before it raised
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "stopped"
 
     objective = train(_cfg(run_dir, "mpi_ad", noisy))
     comm.Barrier()  # rank 0 writes the summary after the other ranks are done
@@ -125,6 +127,7 @@ def test_with_another_strategy_the_preemption_callback_stops_and_the_rerun_finis
     assert stop.value.code == STOPPED_EXIT_CODE
     assert [p.name for p in tmp_path.glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_1.ckpt"]
     assert not (tmp_path / "summary.json").exists()
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "stopped"
 
     objective = train(_cfg(tmp_path, "auto", []))
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -7,7 +7,7 @@ import csv
 import json
 from pathlib import Path
 
-from mpistrategy.recipes.summary import COMPLETED, FAILED, STARTED, main, summarize_run, write_status
+from mpistrategy.recipes.summary import COMPLETED, FAILED, STARTED, STOPPED, main, summarize_run, write_status
 
 
 def _point(sweep: Path, job: str, overrides: list[str], state: str, final: float | None = None) -> None:
@@ -18,10 +18,11 @@ def _point(sweep: Path, job: str, overrides: list[str], state: str, final: float
         (sweep / job / "summary.json").write_text(json.dumps({**summary, "overrides": overrides, "fit_seconds": 2.5}))
 
 
-def test_a_point_that_failed_or_did_not_end_is_listed_without_values(tmp_path: Path) -> None:
+def test_a_point_that_failed_stopped_or_did_not_end_is_listed_without_values(tmp_path: Path) -> None:
     _point(tmp_path, "0", ["model.hidden=32"], COMPLETED, final=0.93)
     _point(tmp_path, "1", ["model.hidden=-3"], FAILED)
     _point(tmp_path, "2", ["model.hidden=64"], STARTED)  # killed on the way (a time limit): no summary
+    _point(tmp_path, "3", ["model.hidden=128"], STOPPED)  # a stop signal ended it after a checkpoint
     (tmp_path / "10").mkdir()  # a folder without either file is not a point
 
     assert main([str(tmp_path)]) == 0
@@ -31,6 +32,7 @@ def test_a_point_that_failed_or_did_not_end_is_listed_without_values(tmp_path: P
         ("0", COMPLETED, "0.93"),
         ("1", FAILED, ""),
         ("2", STARTED, ""),
+        ("3", STOPPED, ""),
     ]
     assert rows[1]["error"] == "ValueError: model.hidden=-3 is negative"
     assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
