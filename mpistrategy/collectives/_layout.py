@@ -6,13 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
-from mpistrategy.comm.buffers import materialized
-
 
 def to_front(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """``tensor`` with ``dim`` moved first, contiguous, its lazy conjugate and negative bits applied (a copy only
-    when ``dim`` is not already first or a bit is set)."""
-    return materialized(tensor.movedim(dim, 0).contiguous() if dim else tensor.contiguous())
+    """``tensor`` with ``dim`` moved first, contiguous (a copy only when ``dim`` is not already first). Lazy
+    conjugate and negative bits stay: the buffers MPI reads apply them (:func:`~mpistrategy.comm.buffers.on_wire`)."""
+    return tensor.movedim(dim, 0).contiguous() if dim else tensor.contiguous()
 
 
 def from_front(tensor: torch.Tensor, dim: int) -> torch.Tensor:

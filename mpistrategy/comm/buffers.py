@@ -292,8 +292,7 @@ def mpi_buffer(tensor: torch.Tensor) -> list:
 
     The tensor must live on the host, or on a device when MPI is CUDA-aware (see :func:`cuda_aware`).
     """
-    if not _holds_values(tensor):  # see :func:`materialized`
-        raise ValueError("mpistrategy: a tensor with a lazy conjugate or negative bit reached MPI (a bug).")
+    assert _holds_values(tensor), "a tensor with a lazy conjugate or negative bit reached MPI (see materialized)"
     count = tensor.numel()
     datatype = _NATIVE_TYPES.get(tensor.dtype) or transfer_type(tensor.dtype)
     if not count:
@@ -336,9 +335,10 @@ def on_wire(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     are staged through host memory when MPI is not CUDA-aware. A CUDA tensor MPI reads itself is returned once the
     current stream's work is done (MPI does not order its reads behind the device's streams).
     """
-    tensor = materialized(tensor.detach())
+    tensor = tensor.detach()
     if (dtype is None or dtype == tensor.dtype) and host_ready(tensor):
         return tensor
+    tensor = materialized(tensor)
     if needs_staging(tensor):
         return staging_buffer(tensor.device, tuple(tensor.shape), dtype or tensor.dtype).copy_(tensor)
     wire = tensor.to(dtype=dtype or tensor.dtype).contiguous()

@@ -78,10 +78,15 @@ def world_ranks(comm: MPI.Intracomm) -> tuple[int, ...]:
         world_group.Free()
 
 
+_world: Communicator | None = None  # COMM_WORLD is never freed: its wrapper is kept here, no attribute lookup per op
+
+
 def world() -> Communicator:
     """The wrapped ``MPI.COMM_WORLD`` (created when mpistrategy is imported, on every rank)."""
-    found = _wrapper_of(MPI.COMM_WORLD)
-    return found if found is not None else Communicator(MPI.COMM_WORLD)
+    global _world
+    if _world is None:
+        _world = _wrapper_of(MPI.COMM_WORLD) or Communicator(MPI.COMM_WORLD)
+    return _world
 
 
 def resolve(comm: MPI.Comm | Communicator | None, *, collective: bool = True) -> Communicator:
