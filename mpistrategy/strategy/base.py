@@ -275,6 +275,13 @@ class MPIStrategyBase:
         if self.data_parallel:
             sync.broadcast_module_state(module, self.topology.control)
 
+    def share_buffers(self, module: nn.Module) -> None:
+        """Give every rank rank 0's buffers of ``module`` (collective): BatchNorm's running statistics follow each
+        rank's own batches in training. Done for you before evaluation (Trainer) and after each synchronised
+        backward (Fabric) under ``flat`` and ``hierarchical``."""
+        if self.world_size > 1:
+            sync.share_buffers(module, self.topology.control, world())
+
     def attach_metric_sync(self, module: nn.Module) -> int:
         """Make every torchmetrics ``Metric`` in ``module`` (or ``module`` itself) sync its state over MPI when it
         computes; returns how many were found."""

@@ -370,4 +370,3 @@ def _sparse_gradient_problem(module: nn.Module) -> ValueError | None:
         f"mpi_ad averages dense gradients only, and {', '.join(repr(name) for name in sparse)} would get sparse "
         "ones; build the embedding with sparse=False (and use a dense optimizer, e.g. Adam instead of SparseAdam)."
     )
-

@@ -58,7 +58,7 @@ except ImportError:  # the core install has no Lightning
 from torch import Tensor, nn
 
 from mpistrategy.comm import watchdog
-from mpistrategy.strategy import checkpoints, failures, sync
+from mpistrategy.strategy import checkpoints, failures
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
@@ -203,7 +203,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         for owner, engine, synchronised in engines:
             engine.post_backward()
             if synchronised and engine.sync.replicas == "world":
-                sync.share_buffers(owner, self.topology.control)
+                self.share_buffers(owner)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The optimizer step, the sync mode's parameter work for the model it stepped, then the coordinated stop

@@ -49,7 +49,7 @@ except ImportError:  # the core install has no Lightning
 from torch import Tensor
 
 from mpistrategy.comm import calls, watchdog
-from mpistrategy.strategy import checkpoints, failures, passes, random_state, sync
+from mpistrategy.strategy import checkpoints, failures, passes, random_state
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.framework import LIGHTNING, framework
@@ -541,7 +541,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         engine, module = self._engine, self.lightning_module
         if engine is None or module is None or self.world_size == 1 or engine.sync.replicas != "world":
             return
-        sync.share_buffers(module, self.topology.control)
+        self.share_buffers(module)
 
     def on_validation_end(self) -> None:
         calls.end_evaluation()

@@ -157,12 +157,19 @@ def broadcast_module_state(module: nn.Module, comm: MPI.Intracomm, root: int = 0
     broadcast_tensors(_unique(list(module.parameters()) + list(module.buffers())), comm, root)
 
 
-def share_buffers(module: nn.Module, comm: MPI.Intracomm) -> None:
+def share_buffers(module: nn.Module, comm: MPI.Intracomm, checked_on: Communicator) -> None:
     """Collective: every rank gets rank 0's buffers of ``module`` (BatchNorm's running statistics, which follow each
-    rank's own batches in training), as DDP's buffer broadcast."""
-    buffers = [buffer for buffer in module.buffers() if buffer.numel()]
-    if buffers:
+    rank's own batches in training), as DDP's buffer broadcast. Registered and checked on ``checked_on`` (the
+    number of buffers and of their elements), so a rank elsewhere is named instead of matching another call."""
+    buffers = list(module.buffers())
+    if not buffers or comm.Get_size() == 1:
+        return
+    with _checked(checked_on, "buffer broadcast", "buffers and elements", _signature, len(buffers), _numel(buffers)):
         broadcast_tensors(buffers, comm)
+
+
+def _numel(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], comm: MPI.Intracomm, root: int = 0) -> None:
@@ -171,16 +178,12 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: MPI.Intracomm, root: in
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            groups.setdefault((t.dtype, t.device), []).append(t)
+            groups.setdefault((t.dtype, t.device), []).append(t.detach().view(-1))
     with torch.no_grad():
-        for (dtype, device), group in groups.items():
-            flat = on_wire(torch.cat([t.detach().reshape(-1) for t in group]))
+        for (dtype, device), flats in groups.items():
+            flat = on_wire(torch.cat(flats))
             comm.Bcast(mpi_buffer(flat), root=root)
-            flat = off_wire(flat, dtype, device)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            torch._foreach_copy_(flats, list(off_wire(flat, dtype, device).split([t.numel() for t in flats])))
 
 
 def check_same_module(module: nn.Module, comm: MPI.Intracomm, reference: int = 0) -> None:
