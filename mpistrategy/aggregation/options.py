@@ -4,8 +4,10 @@ names the scheme, the field, the value given and the values allowed."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from numbers import Integral, Real
+from numbers import Real
 from typing import Any
+
+from mpistrategy.comm.checks import is_integer
 
 
 def check_fraction(scheme: str, name: str, value: Any) -> float:
@@ -24,7 +26,7 @@ def check_integer(scheme: str, name: str, value: Any, low: int, high: int | None
     """``value`` as an int in ``[low, high]`` (``high=None``: no upper bound)."""
     allowed = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
     note = f" ({meaning})" if meaning else ""
-    if isinstance(value, bool) or not isinstance(value, Integral):
+    if not is_integer(value):
         raise TypeError(f"{scheme}: {name} must be {allowed}{note}, got {value!r} ({type(value).__name__}).")
     number = int(value)
     if number < low or (high is not None and number > high):

@@ -45,7 +45,7 @@ from mpistrategy.comm.buffers import (
     on_wire,
     receive_device,
 )
-from mpistrategy.comm.checks import agree, attempt, check_dim, check_rank, grad_flag, is_integer, signature
+from mpistrategy.comm.checks import agree, attempt, check_dim, check_dim_type, check_rank, grad_flag, signature
 from mpistrategy.comm.communicator import Communicator, resolve
 from mpistrategy.comm.errors import CommunicationError
 from mpistrategy.comm.metadata import exchange_meta, header_of
@@ -102,15 +102,8 @@ def _scatter_front(
 # collective.
 
 
-def check_dim_argument(dim: object, what: str) -> None:
-    """Raise unless ``dim`` is an integer (see :func:`~mpistrategy.comm.checks.is_integer`)."""
-    if not is_integer(dim):
-        raise TypeError(f"{what}: dim must be an int, got {dim!r}.")
-
-
 def check_along(tensor: object, dim: int, what: str) -> int:
     """Local checks of a tensor to communicate along ``dim``; returns ``dim`` normalised (0 <= dim < ndim)."""
-    check_dim_argument(dim, what)
     check_tensor(tensor, what)
     assert isinstance(tensor, torch.Tensor)  # check_tensor raised otherwise
     check_dtype(tensor.dtype, what)
@@ -338,7 +331,7 @@ def _scatter_arguments(
     """This rank's checks of a scatter: the root's header, where the block goes, and the root's block sizes
     (``None`` on the other ranks, which learn them from the root)."""
     check_rank(root, comm, what)
-    check_dim_argument(dim, what)
+    check_dim_type(dim, what)
     if comm.rank != root:
         return None, receive_device(tensor, device, what), None
     header = header_of(tensor, root, what)

@@ -35,7 +35,7 @@ import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import NoReturn, SupportsInt, TypeVar, cast
+from typing import NoReturn, SupportsInt, TypeGuard, TypeVar, cast
 
 import numpy as np
 import torch
@@ -88,14 +88,22 @@ def check_rank(value: int, comm: Communicator, what: str, role: str = "root") ->
     return value
 
 
-def is_integer(value: object) -> bool:
+def is_integer(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an integer argument: a Python or NumPy integer (``numbers.Integral``), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_dim(dim: int, ndim: int, what: str) -> int:
-    """Normalise a possibly negative dimension index of a tensor with ``ndim >= 1`` dimensions, raising if it is out
-    of range or the tensor is 0-dimensional (it has no dimension to split or join along)."""
+def check_dim_type(dim: object, what: str) -> int:
+    """``dim`` as an int; raise unless it is an integer (:func:`is_integer`)."""
+    if not is_integer(dim):
+        raise TypeError(f"{what}: dim must be an int, got {dim!r}.")
+    return int(dim)
+
+
+def check_dim(dim: object, ndim: int, what: str) -> int:
+    """Normalise a possibly negative dimension index of a tensor with ``ndim >= 1`` dimensions, raising if it is not
+    an integer, out of range, or the tensor is 0-dimensional (it has no dimension to split or join along)."""
+    dim = check_dim_type(dim, what)
     if ndim == 0:
         raise ValueError(
             f"{what}: needs a tensor with at least one dimension, got a 0-dimensional tensor; use tensor.reshape(1)."

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from mpi4py import MPI
 
+from mpistrategy.comm.checks import is_integer
 from mpistrategy.comm.communicator import Communicator
 
 RANKS_PER_NODE_VARIABLE = "MPISTRATEGY_RANKS_PER_NODE"
@@ -140,9 +141,9 @@ def _requested_ranks_per_node(ranks_per_node: int | None) -> tuple[int | None, s
             value = int(text)
         except ValueError:
             return None, f"{RANKS_PER_NODE_VARIABLE}={text!r} is not an integer"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_integer(value) or value < 1:
         return None, f"ranks_per_node={value!r} is not a positive integer"
-    return value, ""
+    return int(value), ""
 
 
 def _agree_on_ranks_per_node(requested: int | None, problem: str) -> None:

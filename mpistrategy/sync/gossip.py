@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from mpistrategy.aggregation.base import GradBucket
 from mpistrategy.comm.buffers import mpi_buffer
+from mpistrategy.comm.checks import is_integer
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.traffic import INTER_NODE, NODE
 from mpistrategy.sync.averaging import ModelAverager
@@ -53,7 +54,7 @@ def neighbours_of(graph: str | Sequence[Sequence[int]], size: int) -> list[list[
         )
     for rank, row in enumerate(lists):
         for peer in row:
-            if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size:
+            if not is_integer(peer) or not 0 <= peer < size:
                 raise SyncConfigurationError(
                     f"gossip: rank {rank}'s neighbour {peer!r} is not a rank (there are {size} ranks: 0..{size - 1})."
                 )

@@ -17,15 +17,16 @@ from __future__ import annotations
 from typing import Any
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket
+from mpistrategy.comm.checks import is_integer
 from mpistrategy.sync.averaging import ModelAverager
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode, refuse_several_optimizers
 
 
 def check_positive(what: str, name: str, value: object, minimum: int = 1) -> int:
     """``value`` as an int, or a :class:`SyncConfigurationError` naming the field and the valid range."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise SyncConfigurationError(f"{what}: {name}={value!r} must be an integer >= {minimum}.")
-    return value
+    return int(value)
 
 
 class LocalSGD(SyncMode):

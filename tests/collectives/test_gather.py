@@ -406,3 +406,8 @@ def test_numpy_integers_name_roots_dims_and_peers() -> None:
     assert torch.equal(peer, torch.full((size(), 2), float((rank() - 1) % size())))
     with pytest.raises(ValueError, match="root=True is not a rank"):
         ms.broadcast(x, root=True)
+    assert torch.equal(ms.reduce_scatter(x, dim=dim), ms.reduce_scatter(x, dim=0))
+    for op in (ms.allgather, ms.reduce_scatter, ms.alltoall):
+        for bad in (True, 1.0):
+            with pytest.raises(TypeError, match=f"dim must be an int, got {bad!r}"):
+                op(x, dim=bad)
