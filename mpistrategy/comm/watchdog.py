@@ -58,7 +58,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
@@ -358,8 +358,9 @@ class Watchdog:
         return None
 
     def _crossed_wait(self, since: float | None) -> dict[str, Any] | None:
-        """The alarm of a rank whose wait crosses a peer's (:func:`~mpistrategy.comm.deadlocks.crossed_peer`; sent
-        to every rank), else ``None``; once. Each side has waited :data:`_CROSS_GRACE` seconds."""
+        """The alarm of a rank whose wait crosses a peer's (:func:`~mpistrategy.comm.deadlocks.crossed_peer`; each
+        rank tells the members of its call where it waits; the alarm goes to every rank), else ``None``; once. Each
+        side has waited :data:`_CROSS_GRACE` seconds."""
         self._peer_waits.update(self._arrived(_WAITING))
         current = calls.current
         if since is None or current is None or self._cross_reported or time.time() - since <= _CROSS_GRACE:
@@ -369,7 +370,7 @@ class Watchdog:
         own_counts = {calls.key(channel): count for channel, count in calls.counts.items()}
         if self._told_wait != self._watched_key:
             self._told_wait = self._watched_key
-            self._tell_others({"call": mine, "counts": own_counts}, _WAITING)
+            self._tell_others({"call": mine, "counts": own_counts}, _WAITING, mine["members"])
         crossed = crossed_peer(self.rank, mine, own_counts, self._peer_waits)
         if crossed is None:
             return None
@@ -412,12 +413,10 @@ class Watchdog:
             self._reported_key = calls.entries()
         return alarm
 
-    def _tell_others(self, what: Any, tag: int) -> None:
-        """Send ``what`` (pickled) to every other rank's watchdog with ``tag``, without waiting."""
-        message = pickle.dumps(what)
-        for other in range(self.size):
-            if other != self.rank:
-                self._send(message, other, tag)
+    def _tell_others(self, what: Any, tag: int, to: Iterable[int] | None = None) -> None:
+        """Send ``what`` (pickled) to every other rank's watchdog (or those in ``to``) with ``tag``, without
+        waiting."""
+        self._send(pickle.dumps(what), range(self.size) if to is None else to, tag)
 
     def _arrived(self, tag: int) -> list[tuple[int, Any]]:
         """The messages with ``tag`` that have arrived (source rank, unpickled), without waiting."""
@@ -429,14 +428,17 @@ class Watchdog:
             arrived.append((status.Get_source(), pickle.loads(message)))
         return arrived
 
-    def _send(self, message: bytes, dest: int, tag: int) -> None:
-        try:
-            request = self.comm.Isend([message, MPI.BYTE], dest, tag)
-        except MPI.Exception:  # a rank that is gone cannot be told
-            return
+    def _send(self, message: bytes, ranks: Iterable[int], tag: int) -> None:
+        """``message`` to the watchdogs of ``ranks`` (this one's excepted), without waiting."""
+        requests = []
+        for dest in ranks:
+            if dest != self.rank:
+                try:
+                    requests.append(self.comm.Isend([message, MPI.BYTE], dest, tag))
+                except MPI.Exception:  # a rank that is gone cannot be told
+                    continue
         with self._sends_lock:  # the sends still in flight (those done are forgotten)
-            self._sends = [sent for sent in self._sends if not sent.Test()]
-            self._sends.append(request)
+            self._sends = [sent for sent in self._sends if not sent.Test()] + requests
 
     # --------------------------------------------------------------------------------------------------- report
 
@@ -497,9 +499,7 @@ class Watchdog:
         """Tell the ranks that answered that this rank's report is written, and wait (at most
         ``_ANSWER_SECONDS``) until each of them says the same: the first rank to exit makes the launcher end the
         others, so none may exit before every report is out, however loaded the node."""
-        for other in states:
-            if other != self.rank:
-                self._send(b"", other, _WRITTEN)
+        self._send(b"", states, _WRITTEN)
         waiting = set(states) - {self.rank}
         deadline = time.monotonic() + _ANSWER_SECONDS
         status = MPI.Status()
