@@ -126,12 +126,16 @@ def alltoall_v(
 
 def _check_receives(comm: Communicator, receives: list[int], learned: list[int]) -> None:
     """Validation on, ``recv_sizes`` given: raise on every rank unless every rank's ``recv_sizes`` are what the
-    ranks send it (``learned``), by one allgather of a flag on the checks channel (after the op's check, so the
-    ranks are in the same call)."""
-    wrong = receives != learned
+    ranks send it (``learned``), by one allreduce of a flag on the checks channel (after the op's check, so the
+    ranks are in the same call); only when some rank's are wrong, an allgather of the flags names the ranks."""
+    wrong = np.array([int(receives != learned)], dtype=np.int64)
+    anyone = np.empty(1, dtype=np.int64)
+    comm.checks.Allreduce(wrong, anyone, op=MPI.MAX)
+    if not anyone[0]:
+        return
     flags = np.empty(comm.size, dtype=np.int64)
-    comm.checks.Allgather(np.array([int(wrong)], dtype=np.int64), flags)
-    if wrong:
+    comm.checks.Allgather(wrong, flags)
+    if wrong[0]:
         raise ValueError(
             f"alltoall_v: recv_sizes={receives}, but the ranks send {learned} to rank {comm.rank}; pass the sizes "
             "they send (or leave recv_sizes out to learn them)."
