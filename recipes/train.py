@@ -36,6 +36,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mpistrategy import conf as _conf
+from mpistrategy.comm.errors import by_rank
 from mpistrategy.recipes import hydra_mpi
 from mpistrategy.recipes.config import explain, register_configs
 
@@ -79,10 +80,7 @@ def differing_config(cfg: DictConfig) -> str | None:
         return None
     configs = comm.allgather(flat)
     keys = sorted(key for key in set().union(*configs) if len({config.get(key) for config in configs}) > 1)
-    listed = [
-        f"{key} (" + "; ".join(f"rank {r}: {config.get(key, 'unset')}" for r, config in enumerate(configs)) + ")"
-        for key in keys[:5]
-    ]
+    listed = [f"{key} ({by_rank(config.get(key, 'unset') for config in configs)})" for key in keys[:5]]
     return ", ".join(listed) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 

@@ -24,6 +24,7 @@ from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.aggregation.options import check_flag
 from mpistrategy.aggregation.rank_state import gather_rank_states, own_rank_state
 from mpistrategy.aggregation.wire import HALF_DTYPES
+from mpistrategy.comm.errors import by_rank
 
 REAL_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -109,7 +110,7 @@ class CompressingAggregator(Aggregator):
         comm = context.comm.comm
         everyone = comm.allgather(local) if comm.Get_size() > 1 else [local]
         if any(options != everyone[0][0] for options, _ in everyone):
-            listing = "; ".join(f"rank {rank}: {options}" for rank, (options, _) in enumerate(everyone))
+            listing = by_rank(options for options, _ in everyone)
             raise ValueError(
                 f"{self.scheme}: the ranks were given different options ({listing}); every rank must build the "
                 "same aggregator."

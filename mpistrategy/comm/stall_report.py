@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpistrategy.comm.errors import by_rank
+
 #: the exit code of a rank ended by the watchdog (EX_PROTOCOL of sysexits.h is 76; 86 is mpistrategy's own)
 STALL_EXIT_CODE = 86
 
@@ -180,7 +182,7 @@ def _unequal_entries(states: dict[int, dict[str, Any]]) -> list[str]:
     for name in names:
         entries = {other: state.get("entered", {}).get(name, 0) for other, state in sorted(states.items())}
         if len(set(entries.values())) > 1:
-            told = ", ".join(f"rank {other}: {count}" for other, count in entries.items())
+            told = by_rank(entries)
             lines.append(f"  {name}, a call every rank must make, was entered unequally ({told})")
     return lines
 
@@ -188,7 +190,7 @@ def _unequal_entries(states: dict[int, dict[str, Any]]) -> list[str]:
 def uneven_batches(epoch: int, counts: dict[int, Any]) -> str:
     """Why ranks whose training data of ``epoch`` has different numbers of batches (``counts``, by rank) cannot
     train together, and the fix."""
-    listing = "; ".join(f"rank {other}: {count}" for other, count in counts.items())
+    listing = by_rank(counts)
     return (
         f"the ranks' training data of epoch {epoch} has different numbers of batches ({listing}), so the ranks no "
         "longer run the same collectives (the longer ones wait for ranks that will not take part, or pair theirs "
@@ -217,9 +219,11 @@ def uneven_evaluation(passes: dict[int, Any]) -> str | None:
     kinds = {None if found is None else (found[0], tuple(found[1])) for found in passes.values()}
     if len(kinds) == 1:
         return None
-    listing = "; ".join(
-        f"rank {rank}: {'in no validation, test or predict pass' if found is None else _pass(found)}"
-        for rank, found in sorted(passes.items())
+    listing = by_rank(
+        {
+            rank: "in no validation, test or predict pass" if found is None else _pass(found)
+            for rank, found in sorted(passes.items())
+        }
     )
     return (
         f"The ranks' evaluation data differs ({listing}), so a collective made per batch in validation_step, "

@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from mpistrategy.comm.checks import is_integer
 from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.errors import by_rank
 
 RANKS_PER_NODE_VARIABLE = "MPISTRATEGY_RANKS_PER_NODE"
 _SLURM_TASK_VARIABLES = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
@@ -157,7 +158,7 @@ def _agree_on_ranks_per_node(requested: int | None, problem: str) -> None:
             f"{RANKS_PER_NODE_VARIABLE}=2), or leave it unset to take the nodes from MPI."
         )
     if len({value for _, value in everyone}) > 1:
-        listing = "; ".join(f"rank {rank}: {value}" for rank, (_, value) in enumerate(everyone))
+        listing = by_rank(value for _, value in everyone)
         raise ValueError(
             f"virtual nodes: ranks asked for different ranks_per_node ({listing}); set the same value on every rank."
         )

@@ -28,6 +28,7 @@ from torch import nn
 
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.mean import MeanAggregator
+from mpistrategy.comm.errors import by_rank
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.failures import raise_together
@@ -140,7 +141,7 @@ class DataParallelEngine:
         everyone = control.allgather(mine) if control.Get_size() > 1 else [mine]
         for what in mine:
             if len({theirs[what] for theirs in everyone}) > 1:
-                listing = "; ".join(f"rank {rank}: {theirs[what]}" for rank, theirs in enumerate(everyone))
+                listing = by_rank(theirs[what] for theirs in everyone)
                 return SyncConfigurationError(
                     f"the ranks were given different {what} options ({listing}); give every rank the same."
                 )

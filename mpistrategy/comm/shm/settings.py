@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
+from mpistrategy.comm.errors import by_rank
 from mpistrategy.comm.shm_window import locate
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -128,7 +129,7 @@ def require_alike(comm: MPI.Comm, with_threshold: bool, what: str) -> None:
     chosen = comm.allgather(mine)
     if len(set(chosen)) == 1:
         return
-    listing = "; ".join(f"rank {r}: {values}" for r, values in enumerate(chosen))
+    listing = by_rank(chosen)
     variables = f"{MODE_VARIABLE} and {MIN_BYTES_VARIABLE}" if with_threshold else MODE_VARIABLE
     raise ValueError(
         f"{what}: ranks have different settings ({listing}); set {variables} (or call set_shared_memory) alike "

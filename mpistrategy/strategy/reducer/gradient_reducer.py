@@ -54,6 +54,7 @@ from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.comm.buffers import cuda_aware
 from mpistrategy.comm.checks import validation
 from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.errors import by_rank
 from mpistrategy.comm.shm import buffer_ranks, build_group, release
 from mpistrategy.comm.shm_window import room_for
 from mpistrategy.comm.topology import Topology
@@ -241,9 +242,7 @@ class GradientReducer:
         local = self.layout.signature()
         everyone = self.topology.control.allgather(local)
         if any(layout != local for layout in everyone):
-            listing = "; ".join(
-                f"rank {r}: {len(x)} buckets, sizes {[s for s, _, _ in x]}" for r, x in enumerate(everyone)
-            )
+            listing = by_rank(f"{len(x)} buckets, sizes {[s for s, _, _ in x]}" for x in everyone)
             raise BucketLayoutError(
                 "ranks built different gradient buckets, so their models differ (parameter shapes, dtypes or "
                 f"which parameters require gradients): {listing}. Every rank must build the same model."
