@@ -73,7 +73,7 @@ def differing_config(cfg: DictConfig) -> str | None:
         values = OmegaConf.to_container(cfg, resolve=True)
     except Exception:  # noqa: BLE001 - an interpolation that fails is reported by the build on its rank
         values = OmegaConf.to_container(cfg, resolve=False)
-    flat = {key: repr(value) for key, value in _flattened(values).items()}
+    flat = {key: repr(value) for key, value in _dotted(values).items()}
     digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
     comm = hydra_mpi.comm()
     if len(set(comm.allgather(digest))) == 1:
@@ -84,7 +84,7 @@ def differing_config(cfg: DictConfig) -> str | None:
     return ", ".join(listed) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
-def _flattened(value: Any, prefix: str = "") -> dict[str, Any]:
+def _dotted(value: Any, prefix: str = "") -> dict[str, Any]:
     """A nested config as ``{"a.b.c": leaf}``."""
     if isinstance(value, dict):
         items = value.items()
@@ -94,7 +94,7 @@ def _flattened(value: Any, prefix: str = "") -> dict[str, Any]:
         return {prefix: value}
     flat: dict[str, Any] = {}
     for key, item in items:
-        flat.update(_flattened(item, f"{prefix}.{key}" if prefix else str(key)))
+        flat.update(_dotted(item, f"{prefix}.{key}" if prefix else str(key)))
     return flat
 
 

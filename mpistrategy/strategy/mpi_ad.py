@@ -469,7 +469,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._training_pass = training_pass
         self._pass_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # > 0: an epoch resumed
         loaders = trainer.train_dataloader
-        self._one_loader = not isinstance(loaders, (list, tuple, dict)) or len(loaders) == 1
+        self._one_loader = len(passes.training_loaders(loaders)) == 1
         if trainer.num_training_batches != float("inf"):
             watchdog.training_batches(training_pass, int(trainer.num_training_batches), "planned")
         passes.check_even_batches(trainer, loaders, self.topology.control)

@@ -23,7 +23,7 @@ def check_even_batches(trainer: Any, loaders: Any, comm: MPI.Intracomm) -> None:
         return
     planned = trainer.num_training_batches
     exact = planned != float("inf") and not any(
-        isinstance(getattr(unwrapped(loader), "dataset", None), IterableDataset) for loader in _flattened(loaders)
+        isinstance(getattr(unwrapped(loader), "dataset", None), IterableDataset) for loader in training_loaders(loaders)
     )
     counts = comm.allgather(int(planned) if exact else -1)
     if -1 in counts or len(set(counts)) == 1:
@@ -41,10 +41,10 @@ def evaluation_batches(trainer: Any, stage: str) -> tuple[str, list[float]]:
     return stage, list(counts.get(stage, trainer.num_predict_batches))
 
 
-def _flattened(loaders: Any) -> list[Any]:
-    """The loaders of ``trainer.train_dataloader`` (one, or a list, tuple or dict of them, nested)."""
+def training_loaders(loaders: Any) -> list[Any]:
+    """The loaders of ``trainer.train_dataloader`` (one, or a list, tuple or dict of them, nested), in a list."""
     if isinstance(loaders, dict):
         loaders = list(loaders.values())
     if isinstance(loaders, (list, tuple)):
-        return [inner for loader in loaders for inner in _flattened(loader)]
+        return [inner for loader in loaders for inner in training_loaders(loader)]
     return [loaders]
