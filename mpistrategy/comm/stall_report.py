@@ -214,8 +214,6 @@ def uneven_evaluation(passes: dict[int, Any]) -> str | None:
     """Why ranks in different evaluation passes, or in passes of different numbers of batches (``passes``: each
     rank's :data:`mpistrategy.comm.calls.evaluation`), cannot pair their per-batch collectives, and the fix;
     ``None`` when no rank is in one or every rank's pass is the same (ended or not)."""
-    if all(found is None for found in passes.values()):
-        return None
     kinds = {None if found is None else (found[0], tuple(found[1])) for found in passes.values()}
     if len(kinds) == 1:
         return None
