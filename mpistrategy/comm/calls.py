@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
@@ -194,24 +194,24 @@ last: Call | None = None
 _held: Call | None = None
 #: this process's collective calls per communicator id (see :func:`register`)
 counts: dict[int, int] = {}
-#: the evaluation pass (validation, test, predict) this process is in or ended last, as ``(stage, batches per
-#: dataloader, ended)``; ``None`` before one or once training goes on (see :func:`set_evaluation`)
-evaluation: tuple[str, tuple[float, ...], bool] | None = None
+#: what the layer above says this process is doing (the strategy: the evaluation pass it is in), a picklable value
+#: or ``None``; every rank's goes with a collective mismatch and a stall report (see :func:`set_phase`)
+phase: Any = None
+_explain_phases: Callable[[dict[int, Any]], str | None] | None = None
 
 
-def set_evaluation(stage: str | None, batches: Sequence[float] = ()) -> None:
-    """This process begins an evaluation pass ``stage`` over dataloaders of ``batches`` batches each (``inf`` for a
-    stream); ``None``: it is in none. The cross-rank check and the stall report compare the ranks' passes: the
-    per-batch collectives of ranks whose passes differ cannot pair up."""
-    global evaluation
-    evaluation = None if stage is None else (stage, tuple(float(count) for count in batches), False)
+def set_phase(value: Any, explain: Callable[[dict[int, Any]], str | None] | None = None) -> None:
+    """This process's phase (``None``: none); ``explain`` (kept once given) turns every rank's phase, by rank, into a
+    sentence for the reports, or ``None`` when the phases explain nothing (see :func:`explain_phases`)."""
+    global phase, _explain_phases
+    phase = value
+    if explain is not None:
+        _explain_phases = explain
 
 
-def end_evaluation() -> None:
-    """The evaluation pass has ended; it stays recorded (a rank with fewer batches ends its pass first)."""
-    global evaluation
-    if evaluation is not None:
-        evaluation = (*evaluation[:2], True)
+def explain_phases(phases: dict[int, Any]) -> str | None:
+    """What the ranks' phases (by rank) say about a collective mismatch or a stall, if anything."""
+    return None if _explain_phases is None else _explain_phases(phases)
 
 
 def register(members: tuple[int, ...]) -> int:

@@ -46,7 +46,6 @@ from mpistrategy.comm.buffers import DTYPE_CODES
 from mpistrategy.comm.calls import Call
 from mpistrategy.comm.communicator import FINGERPRINT_LENGTH, Communicator
 from mpistrategy.comm.errors import CommunicationError, with_note
-from mpistrategy.comm.stall_report import uneven_evaluation
 
 _validation = os.environ.get("MPISTRATEGY_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
 _scoped: ContextVar[bool | None] = ContextVar("mpistrategy_validation", default=None)
@@ -349,7 +348,7 @@ def report(
         call = calls.last if calls.last is not None else calls.enter(comm, what, local, describe)
     previous = _previous_on(call)
     mine = (call.what, str(call), call.count, None if previous is None else str(previous), tuple(local or ()))
-    rows = comm.checks.allgather((mine, failure, calls.evaluation))
+    rows = comm.checks.allgather((mine, failure, calls.phase))
     failed = [(rank, text) for rank, (_, text, _) in enumerate(rows) if text is not None]
     if failed:
         ranks = ", ".join(str(rank) for rank, _ in failed)
@@ -359,7 +358,7 @@ def report(
             f"communicated ({listing})."
         )
     else:
-        uneven = uneven_evaluation({rank: evaluation for rank, (_, _, evaluation) in enumerate(rows)})
+        uneven = calls.explain_phases({rank: phase for rank, (_, _, phase) in enumerate(rows)})
         message = _disagreement(what, describe, [row for row, _, _ in rows])
         error = CommunicationError(message if uneven is None else f"{message} {uneven}")
     if problem is not None:

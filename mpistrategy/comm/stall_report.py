@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpistrategy.comm import calls
 from mpistrategy.comm.errors import by_rank
 
 #: the exit code of a rank ended by the watchdog (EX_PROTOCOL of sysexits.h is 76; 86 is mpistrategy's own)
@@ -64,7 +65,7 @@ def format_report(
             f"{trigger['waited']:.1f} s in {waited_in} (MPISTRATEGY_STALL_TIMEOUT={timeout:g} s)."
         ]
     lines += _unequal_entries(states)
-    uneven_passes = uneven_evaluation({other: state.get("evaluation") for other, state in states.items()})
+    uneven_passes = calls.explain_phases({other: state.get("phase") for other, state in states.items()})
     if uneven_passes is not None:
         lines.append(f"  {uneven_passes}")
     if missing:
@@ -197,37 +198,4 @@ def uneven_batches(epoch: int, counts: dict[int, Any]) -> str:
         "with the next epoch's). Give every rank the same number of batches per epoch: split an IterableDataset "
         "evenly over the ranks (the remainder dropped), keep Lightning's DistributedSampler for a map-style dataset "
         "(use_distributed_sampler=True), or cap the epoch with limit_train_batches."
-    )
-
-
-def _pass(evaluation: Any) -> str:
-    stage, batches, ended = evaluation
-    counts = ["a stream" if count == float("inf") else str(int(count)) for count in batches]
-    if len(counts) == 1:
-        shown = f"{stage}, {counts[0]} batch{'' if counts[0] == '1' else 'es'}"
-    else:
-        shown = f"{stage}, {' + '.join(counts)} batches ({len(counts)} dataloaders)"
-    return f"{shown}, ended" if ended else shown
-
-
-def uneven_evaluation(passes: dict[int, Any]) -> str | None:
-    """Why ranks in different evaluation passes, or in passes of different numbers of batches (``passes``: each
-    rank's :data:`mpistrategy.comm.calls.evaluation`), cannot pair their per-batch collectives, and the fix;
-    ``None`` when no rank is in one or every rank's pass is the same (ended or not)."""
-    kinds = {None if found is None else (found[0], tuple(found[1])) for found in passes.values()}
-    if len(kinds) == 1:
-        return None
-    listing = by_rank(
-        {
-            rank: "in no validation, test or predict pass" if found is None else _pass(found)
-            for rank, found in sorted(passes.items())
-        }
-    )
-    return (
-        f"The ranks' evaluation data differs ({listing}), so a collective made per batch in validation_step, "
-        "test_step or predict_step (self.log(..., sync_dist=True) with on_step=True, self.all_gather, "
-        "strategy.reduce) pairs with another batch's, or with the calls after the pass. Give every rank the same "
-        "number of batches (keep Lightning's DistributedSampler, use_distributed_sampler=True, or cap the pass with "
-        "limit_val_batches / limit_test_batches / limit_predict_batches), or log per pass only (on_step=False, "
-        "on_epoch=True: one sync at the end)."
     )

@@ -462,7 +462,7 @@ class Watchdog:
             "last": _call_state(calls.last),
             "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
             "entered": dict(self._entered),
-            "evaluation": calls.evaluation,
+            "phase": calls.phase,
             "where": calls.innermost_inside(frames),
             "now": calls.now_at(frames.get(threading.main_thread().ident or 0)),
             "stacks": stacks,

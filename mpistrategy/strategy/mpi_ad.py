@@ -48,7 +48,7 @@ except ImportError:  # the core install has no Lightning
     raise
 from torch import Tensor
 
-from mpistrategy.comm import calls, watchdog
+from mpistrategy.comm import watchdog
 from mpistrategy.strategy import checkpoints, failures, passes, random_state
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
@@ -428,7 +428,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         coordinated stop, a corrupt checkpoint or a configuration error all ranks agreed on, or an error every rank
         raised in step within :data:`RAISED_TOGETHER_SECONDS` (an invalid hyperparameter of a sweep's point: the
         ranks are free to run the next point)."""
-        calls.set_evaluation(None)
+        passes.leave_evaluation()
         if failures.raised_on_every_rank(exception) or not self.abort_on_exception:
             return
         if watchdog.every_rank_raised(RAISED_TOGETHER_SECONDS):
@@ -446,7 +446,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         """Before each batch: the sync mode's epoch boundaries; then, for a training dataloader that is not
         resumable (its batch is fetched already), :meth:`_before_training_batch`; the watchdog learns where this
         rank is in the pass. The evaluation pass recorded last is over."""
-        calls.set_evaluation(None)
+        passes.leave_evaluation()
         if self._engine is not None and self.lightning_module is not None:
             self._track_epoch(self.lightning_module.trainer)
         self._before_training_batch()
@@ -531,7 +531,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         whose evaluation data differs."""
         self._attach_metric_sync()
         self._share_buffers()
-        calls.set_evaluation(*passes.evaluation_batches(self.lightning_module.trainer, stage))
+        passes.begin_evaluation(self.lightning_module.trainer, stage)
 
     def _share_buffers(self) -> None:
         """Collective, before an evaluation pass where the ranks hold one replica (``flat``, ``hierarchical``: equal
@@ -544,7 +544,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self.share_buffers(module)
 
     def on_validation_end(self) -> None:
-        calls.end_evaluation()
+        passes.end_evaluation()
 
     on_test_end = on_predict_end = on_validation_end
 

@@ -1,14 +1,17 @@
 """The ranks' passes over their data, as the Trainer runs them: a training epoch's number of batches, compared on
-every rank when the epoch starts, and the evaluation pass each rank is in, recorded for the diagnosis of a
-collective mismatch or a stall in it (:func:`mpistrategy.comm.calls.set_evaluation`)."""
+every rank when the epoch starts, and the evaluation pass each rank is in, recorded as the process's phase
+(:func:`mpistrategy.comm.calls.set_phase`) so that a collective mismatch or a stall in it says how the ranks'
+evaluation data differs."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from mpi4py import MPI
 from torch.utils.data import IterableDataset
 
+from mpistrategy.comm import calls
+from mpistrategy.comm.errors import by_rank
 from mpistrategy.comm.stall_report import uneven_batches
 from mpistrategy.strategy import failures
 from mpistrategy.strategy.resumable import unwrapped
@@ -32,13 +35,68 @@ def check_even_batches(trainer: Any, loaders: Any, comm: MPI.Intracomm) -> None:
     raise failures.mark_raised_on_every_rank(ValueError(f"mpi_ad: {problem}"))
 
 
-def evaluation_batches(trainer: Any, stage: str) -> tuple[str, list[float]]:
-    """The evaluation pass ``stage`` (``"validation"``, ``"test"``, ``"predict"``) the Trainer begins, as
-    ``(stage, batches per dataloader)``: the sanity check is named so, ``inf`` counts a stream."""
+class Evaluation(NamedTuple):
+    """An evaluation pass: ``stage`` (``"validation"``, ``"sanity check"``, ``"test"``, ``"predict"``), the batches
+    of each dataloader (``inf``: a stream), and whether it has ended."""
+
+    stage: str
+    batches: tuple[float, ...]
+    ended: bool = False
+
+
+def begin_evaluation(trainer: Any, stage: str) -> None:
+    """The Trainer begins the evaluation pass ``stage`` (``"validation"``, ``"test"``, ``"predict"``; the sanity
+    check is named so): this process's phase until :func:`end_evaluation` and the next training batch."""
     if trainer.sanity_checking:
-        return "sanity check", list(trainer.num_sanity_val_batches)
-    counts = {"validation": trainer.num_val_batches, "test": trainer.num_test_batches}
-    return stage, list(counts.get(stage, trainer.num_predict_batches))
+        stage, batches = "sanity check", trainer.num_sanity_val_batches
+    else:
+        counts = {"validation": trainer.num_val_batches, "test": trainer.num_test_batches}
+        batches = counts.get(stage, trainer.num_predict_batches)
+    calls.set_phase(Evaluation(stage, tuple(float(count) for count in batches)), uneven_evaluation)
+
+
+def end_evaluation() -> None:
+    """The evaluation pass has ended; it stays the phase (a rank with fewer batches ends its pass first)."""
+    if isinstance(calls.phase, Evaluation):
+        calls.set_phase(calls.phase._replace(ended=True))
+
+
+def leave_evaluation() -> None:
+    """Training goes on (or the run failed): no evaluation pass is this process's phase."""
+    if isinstance(calls.phase, Evaluation):
+        calls.set_phase(None)
+
+
+def uneven_evaluation(phases: dict[int, Any]) -> str | None:
+    """Why ranks in different evaluation passes, or in passes of different numbers of batches (``phases``: each
+    rank's :data:`~mpistrategy.comm.calls.phase`), cannot pair their per-batch collectives, and the fix; ``None``
+    when no rank is in one or every rank's pass is the same (ended or not)."""
+    passes = {rank: found if isinstance(found, Evaluation) else None for rank, found in phases.items()}
+    if len({None if found is None else found[:2] for found in passes.values()}) == 1:
+        return None
+    listing = by_rank(
+        {
+            rank: "in no validation, test or predict pass" if found is None else _described(found)
+            for rank, found in sorted(passes.items())
+        }
+    )
+    return (
+        f"The ranks' evaluation data differs ({listing}), so a collective made per batch in validation_step, "
+        "test_step or predict_step (self.log(..., sync_dist=True) with on_step=True, self.all_gather, "
+        "strategy.reduce) pairs with another batch's, or with the calls after the pass. Give every rank the same "
+        "number of batches (keep Lightning's DistributedSampler, use_distributed_sampler=True, or cap the pass with "
+        "limit_val_batches / limit_test_batches / limit_predict_batches), or log per pass only (on_step=False, "
+        "on_epoch=True: one sync at the end)."
+    )
+
+
+def _described(evaluation: Evaluation) -> str:
+    counts = ["a stream" if count == float("inf") else str(int(count)) for count in evaluation.batches]
+    if len(counts) == 1:
+        shown = f"{evaluation.stage}, {counts[0]} batch{'' if counts[0] == '1' else 'es'}"
+    else:
+        shown = f"{evaluation.stage}, {' + '.join(counts)} batches ({len(counts)} dataloaders)"
+    return f"{shown}, ended" if evaluation.ended else shown
 
 
 def training_loaders(loaders: Any) -> list[Any]:
