@@ -2,10 +2,8 @@
 
 Every collective registers here once, in its argument check (:func:`mpistrategy.comm.checks.agree`), whether
 validation is on or off: :func:`enter` counts the call on its communicator (the counts of all ranks agree while
-the ranks make the same calls in the same order), finds the caller's place in the user's code (the innermost frame
-outside mpistrategy, torch, Lightning (with lightning_utilities and torchmetrics) and the standard library; which
-frames are skipped is decided once per code object) and writes a
-:class:`Call` into a ring buffer of the last :data:`RECORDS` calls (``MPISTRATEGY_FLIGHT_RECORDS``, default 256).
+the ranks make the same calls in the same order), finds the caller's place in the user's code
+(:func:`mpistrategy.comm.frames.call_site`) and writes a :class:`Call` into a ring buffer of the last :data:`RECORDS` calls (``MPISTRATEGY_FLIGHT_RECORDS``, default 256).
 :func:`leave` (called when the public op returns) stores the call's duration. The cross-rank check puts the op,
 its arguments and the call site into its error messages; the stall watchdog and the flight recorder read the
 current call and the ring buffer. About 1 µs per call.
@@ -14,100 +12,23 @@ current call and the ring buffer. About 1 µs per call.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from types import CodeType, FrameType
 from typing import Any
 
 import torch
+
+from mpistrategy.comm.frames import call_site, short_path
 
 #: how many of its last collectives each process keeps (``MPISTRATEGY_FLIGHT_RECORDS``)
 RECORDS = max(1, int(os.environ.get("MPISTRATEGY_FLIGHT_RECORDS", "256")))
 
 
-def _package_root(name: str) -> str | None:
-    module = sys.modules.get(name)
-    path = getattr(module, "__file__", None)
-    return None if path is None else os.path.dirname(os.path.abspath(path)) + os.sep
-
-
-def package_root() -> str:
-    """The directory of the mpistrategy package, with a trailing separator."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-_SKIPPED_ROOTS = tuple(root for root in (package_root(), _package_root("torch")) if root is not None)
-# Lightning's packages, and those its collectives run through, are skipped by name (imported after mpistrategy).
-_SKIPPED_PARTS = tuple(
-    f"{os.sep}{name}{os.sep}"
-    for name in ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torchmetrics")
-)
-_MPISTRATEGY = package_root()
-_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
-_SITE_PACKAGES = f"{os.sep}site-packages{os.sep}"
-_skipped: dict[CodeType, bool] = {}
-
 #: values that arguments given as codes stand for, by argument name (e.g. the reduction op's code)
 CODE_NAMES: dict[str, dict[int, str]] = {}
 # Flags shown in a call only when set (``requires_grad=1``), to keep the common call short.
 _FLAGS = frozenset({"requires_grad", "shared memory"})
-
-
-def _is_skipped(code: CodeType) -> bool:
-    found = _skipped.get(code)
-    if found is None:
-        name = code.co_filename
-        found = _skipped[code] = (
-            name.startswith(_SKIPPED_ROOTS)
-            or any(part in name for part in _SKIPPED_PARTS)
-            or (name.startswith(_STDLIB) and _SITE_PACKAGES not in name)  # contextlib, functools, threading ...
-        )
-    return found
-
-
-def call_site(depth: int = 1, near: bool = False) -> tuple[str, int]:
-    """``(file, line)`` of the innermost frame outside mpistrategy, torch, Lightning and the standard library (the
-    outermost frame if every frame is inside them); ``near``: of the innermost frame outside mpistrategy (a few
-    frames up, where the full walk may climb through dozens of Lightning frames)."""
-    frame: FrameType | None = sys._getframe(depth)
-    last = sys._getframe(depth)
-    while frame is not None:
-        code = frame.f_code
-        if not (code.co_filename.startswith(_MPISTRATEGY) if near else _is_skipped(code)):
-            return code.co_filename, frame.f_lineno
-        last = frame
-        frame = frame.f_back
-    return last.f_code.co_filename, last.f_lineno
-
-
-def inside_package(frame: FrameType | None) -> bool:
-    """Whether ``frame`` runs mpistrategy's code."""
-    return frame is not None and frame.f_code.co_filename.startswith(_MPISTRATEGY)
-
-
-def innermost_inside(frames: dict[int, FrameType]) -> str | None:
-    """``function (mpistrategy/file:line)`` of the first of ``frames`` (threads' innermost frames) that runs
-    mpistrategy's code: where a thread waits in mpistrategy."""
-    for frame in frames.values():
-        if inside_package(frame):
-            where = f"{frame.f_code.co_filename.removeprefix(_MPISTRATEGY)}:{frame.f_lineno}"
-            return f"{frame.f_code.co_name} (mpistrategy/{where})"
-    return None
-
-
-def now_at(frame: FrameType | None) -> str:
-    """``file:line (in function)`` of a thread's innermost frame."""
-    if frame is None:
-        return "?"
-    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} (in {frame.f_code.co_name})"
-
-
-def short_path(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it, else as it is."""
-    cwd = os.getcwd() + os.sep
-    return path[len(cwd) :] if path.startswith(cwd) else path
 
 
 class Call:

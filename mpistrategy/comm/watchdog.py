@@ -67,6 +67,7 @@ from mpi4py import MPI
 from mpistrategy.comm import calls, flight
 from mpistrategy.comm.abort import abort_job
 from mpistrategy.comm.deadlocks import crossed_peer, ended_members
+from mpistrategy.comm.frames import call_site, innermost_inside, inside_package, now_at, short_path
 from mpistrategy.comm.stall_report import STALL_EXIT_CODE, counted, format_report
 
 #: the default stall timeout in seconds: longer than any healthy wait in a collective on a cluster
@@ -237,9 +238,9 @@ class Watchdog:
         count = self._entered[name] = self._entered.get(name, 0) + 1
         if _timeout <= 0:
             return
-        file, line = calls.call_site()
+        file, line = call_site()
         entry = {"rank": self.rank, "name": name, "count": count, "advice": advice, "at": self._position()}
-        self._tell_others({**entry, "site": f"{calls.short_path(file)}:{line}"}, _ENTERED)
+        self._tell_others({**entry, "site": f"{short_path(file)}:{line}"}, _ENTERED)
 
     def _position(self) -> tuple[tuple[int, int], int] | None:
         """This rank's latest training pass and the batch of it started last (``None``: none started)."""
@@ -294,7 +295,7 @@ class Watchdog:
             self._polled_key = key
             self._watched_key = -1
             return None
-        if not any(calls.inside_package(frame) for frame in self._waiting_frames().values()):
+        if not any(inside_package(frame) for frame in self._waiting_frames().values()):
             self._watched_key = -1
             return None
         if key != self._watched_key:
@@ -348,7 +349,7 @@ class Watchdog:
                     "rank": self.rank,
                     "at": own,
                     "ended": self._ended is not None,
-                    "waiting": (waited, _call_state(calls.current), calls.innermost_inside(self._waiting_frames()))
+                    "waiting": (waited, _call_state(calls.current), innermost_inside(self._waiting_frames()))
                     if waiting and not beyond
                     else None,
                 }
@@ -398,7 +399,7 @@ class Watchdog:
             "rank": self.rank,
             "waited": waited,
             "call": _call_state(calls.current),
-            "where": calls.innermost_inside(self._waiting_frames()),
+            "where": innermost_inside(self._waiting_frames()),
             "last": _call_state(calls.last),
             **cause,
         }
@@ -456,15 +457,15 @@ class Watchdog:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "time": time.time(),
-            "inside": any(calls.inside_package(frame) for frame in frames.values()),
+            "inside": any(inside_package(frame) for frame in frames.values()),
             "ended": self._ended,
             "current": _call_state(current),
             "last": _call_state(calls.last),
             "counts": {calls.key(channel): count for channel, count in calls.counts.items()},
             "entered": dict(self._entered),
             "phase": calls.phase,
-            "where": calls.innermost_inside(frames),
-            "now": calls.now_at(frames.get(threading.main_thread().ident or 0)),
+            "where": innermost_inside(frames),
+            "now": now_at(frames.get(threading.main_thread().ident or 0)),
             "stacks": stacks,
         }
 
