@@ -3,10 +3,11 @@
 Every collective registers here once, in its argument check (:func:`mpistrategy.comm.checks.agree`), whether
 validation is on or off: :func:`enter` counts the call on its communicator (the counts of all ranks agree while
 the ranks make the same calls in the same order), finds the caller's place in the user's code
-(:func:`mpistrategy.comm.frames.call_site`) and writes a :class:`Call` into a ring buffer of the last :data:`RECORDS` calls (``MPISTRATEGY_FLIGHT_RECORDS``, default 256).
-:func:`leave` (called when the public op returns) stores the call's duration. The cross-rank check puts the op,
-its arguments and the call site into its error messages; the stall watchdog and the flight recorder read the
-current call and the ring buffer. About 1 µs per call.
+(:func:`mpistrategy.comm.frames.call_site`) and writes a :class:`Call` into a ring buffer of the last
+:data:`RECORDS` calls (``MPISTRATEGY_FLIGHT_RECORDS``, default 256). :func:`leave` (called when the public op
+returns) stores the call's duration. The cross-rank check puts the op, its arguments and the call site into its
+error messages; the stall watchdog and the flight recorder read the current call and the ring buffer. About 1 µs
+per call.
 """
 
 from __future__ import annotations

@@ -70,10 +70,10 @@ def _param_group_callback_problem(trainer: Any) -> ValueError | None:
     for callback in trainer.callbacks:
         if any(base.__name__ == "BaseFinetuning" for base in type(callback).__mro__):
             return ValueError(
-                f"shard=: the callback {type(callback).__name__} adds parameter groups to the optimizer while "
-                "training (a BaseFinetuning callback), which a sharded optimizer does not support. Use shard=None "
-                "with it, or freeze and unfreeze the backbone yourself (requires_grad) with every parameter in "
-                "configure_optimizers' groups from the start."
+                f"shard (sharded optimizer state): the callback {type(callback).__name__} adds parameter groups to "
+                "the optimizer while training (a BaseFinetuning callback), which a sharded optimizer does not "
+                "support. Use shard=None with it, or freeze and unfreeze the backbone yourself (requires_grad) with "
+                "every parameter in configure_optimizers' groups from the start."
             )
     return None
 

@@ -131,8 +131,9 @@ class ShardedOptimizer:
         if len(self.optimizer.param_groups) == len(self._group_sizes):
             return None
         return ValueError(
-            f"shard=: {type(self.optimizer).__name__} has {len(self.optimizer.param_groups)} parameter groups, "
-            f"{len(self._group_sizes)} when it was sharded: optimizer.add_param_group during training (as "
+            f"shard (sharded optimizer state): {type(self.optimizer).__name__} has "
+            f"{len(self.optimizer.param_groups)} parameter groups, {len(self._group_sizes)} when it was sharded: "
+            "optimizer.add_param_group during training (as "
             "Lightning's BaseFinetuning callbacks do when they unfreeze) is not supported with sharded state. "
             "Give configure_optimizers every group from the start (frozen parameters included: they are "
             "skipped until they get gradients), or use shard=None."
@@ -244,8 +245,8 @@ def check_shardable(optimizer: torch.optim.Optimizer, model_params: Sequence[nn.
             reason = f"it keeps its parameters in optimizer.{cached[0]} beside its parameter groups"
     if reason is not None:
         raise ValueError(
-            f"shard=: {name} cannot step a shard of the parameters: {reason}. Use an optimizer whose update is "
-            "elementwise (SGD, Adam, AdamW, RMSprop, Adagrad, ...), or shard=None."
+            f"shard (sharded optimizer state): {name} cannot step a shard of the parameters: {reason}. Use an "
+            "optimizer whose update is elementwise (SGD, Adam, AdamW, RMSprop, Adagrad, ...), or shard=None."
         )
     if model_params is not None:
         known = {id(p) for p in model_params}

@@ -24,7 +24,6 @@ from torch import nn
 
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import INTER_NODE, TrafficCounter, scope_of
-from mpistrategy.strategy.failures import raise_together
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.sharding.gradients import GradientShards
 from mpistrategy.strategy.sharding.group import ShardGroup, shard_group
@@ -115,8 +114,8 @@ class ShardedTraining:
         """After a synchronised backward pass: the pieces' gradients (see the module docstring)."""
         for sharded in self.optimizers:
             problem = sharded.groups_problem()
-            if problem is not None:  # every rank that added the group raises it together
-                raise_together(problem, self.topology.control, "stepping the sharded optimizer", ValueError)
+            if problem is not None:  # no collective: a group added on some ranks only ends the job (see failures)
+                raise problem
             if self.gradients is None:
                 sharded.use_parameter_gradients()
             if self.agree_on_overflow:

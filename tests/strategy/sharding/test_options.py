@@ -5,6 +5,7 @@ different values, and a wrong value on one rank only (which ends the job)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +68,9 @@ def test_ranks_given_different_modes_fail_together() -> None:
     _still_in_step()
 
 
+GROUP_ON_ONE_RANK_JOB = Path(__file__).parent / "scripts" / "group_on_one_rank_job.py"
+
+
 @OUTER_RUN_ONLY
 def test_an_unknown_mode_on_one_rank_only_ends_the_job() -> None:
     start = time.time()
@@ -120,6 +124,19 @@ def test_an_optimizer_that_cannot_step_a_shard_is_refused_on_every_rank(shard: s
             _Optimized(kind), loader(regression_data(SIZE * 8), 4)
         )
     _still_in_step()
+
+
+@OUTER_RUN_ONLY
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_group_added_on_one_rank_only_ends_the_job_with_its_error(shard: str) -> None:
+    """Rank 1 alone adds a parameter group: the job ends (non-zero, rank 1's error and traceback printed) long before
+    the stall timeout, no rank waiting in the allgather of the parameters."""
+    start = time.time()
+    code, output, ended = run_mpi_job(GROUP_ON_ONE_RANK_JOB, 3, shard, timeout=300)
+    assert code != 0 and "FINISHED" not in output, output[-3000:]
+    assert "AdamW has 2 parameter groups, 1 when it was sharded" in output, output[-3000:]
+    assert "[mpistrategy] rank 1 of 3" in output, output[-3000:]
+    assert ended - start < 150, output[-3000:]
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
