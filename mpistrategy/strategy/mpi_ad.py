@@ -36,7 +36,7 @@ import itertools
 import logging
 import os
 import signal
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -57,6 +57,7 @@ from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.resumable import CountedLoader, make_resumable, unwrapped
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
 from mpistrategy.strategy.sharding import files as sharded_files
+from mpistrategy.strategy.sharding import lightning_hooks
 from mpistrategy.strategy.sharding.training import ShardedTraining
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._layer_sync_applied: Any = None
         self._random_state_to_restore: random_state.RandomState | None = None
         self._random_state_at_epoch_end = False
-        self._patched_plugin: Any = None
+        self._unroute: Callable[[], None] | None = None  # gives Lightning's objects their own methods back
         self._checkpoint_path: str | None = None
         self._sharding: ShardedTraining | None = None  # kept after fit: a checkpoint saved then needs it
         self._fit_index = -1
@@ -204,7 +205,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
                 for optimizer, wrapper in zip(self.optimizers, self._lightning_optimizers, strict=True):
                     self._engine.attach_optimizer(optimizer, wrapper)
             if self._sharding is not None:
-                self._clip_sharded_by_norm(self._sharding)
+                self._unroute = lightning_hooks.route(self._sharding, self.precision_plugin, self.lightning_module)
                 if self._uses_grad_scaler():
                     self._sharding.watch_scaler(self.precision_plugin.scaler)
 
@@ -276,22 +277,6 @@ class MPIADStrategyMixin(MPIStrategyBase):
             yield None
         finally:
             self._sync_gradients = previous
-
-    def _clip_sharded_by_norm(self, sharding: ShardedTraining) -> None:
-        """Make the precision plugin clip a sharded optimizer's gradients by the norm of the whole gradient (its own
-        clipping would see only this rank's shard); the plugin gets its own method back at teardown."""
-        plugin = self.precision_plugin
-        own = plugin.clip_grad_by_norm
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            sharded = sharding.sharded(optimizer)
-            if sharded is None:
-                own(optimizer, clip_val)
-            else:
-                sharded.clip_grad_norm_(clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-        self._patched_plugin = plugin
 
     @property
     def reducer(self) -> GradientReducer | None:
@@ -573,9 +558,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
     def teardown(self) -> None:
         self._random_state_to_restore = None
         self._engine_state = None
-        if self._patched_plugin is not None:
-            vars(self._patched_plugin).pop("clip_grad_by_norm", None)
-            self._patched_plugin = None
+        if self._unroute is not None:
+            self._unroute()
+            self._unroute = None
         if self._engine is not None:
             self._engine.teardown()
             self._finished_engine, self._engine = self._engine, None

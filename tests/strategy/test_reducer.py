@@ -220,6 +220,28 @@ def test_frozen_parameters_untouched_and_unfrozen_later_picked_up() -> None:
     reducer.remove()
 
 
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_parameter_frozen_after_the_forward_pass_leaves_the_others_averaged(layout: str) -> None:
+    """``toggle_optimizer`` between the forward pass and backward: autograd keeps no gradient for the frozen layer,
+    and its hook must not count it towards its bucket (the bucket would start before the other gradients land)."""
+    net = _net()
+    reducer = _reducer(net, cap_mb=25.0, own_bucket_mb=LAYOUTS[layout])  # flat: the frozen layer shares a bucket
+    full, mine = _rank_batch()
+    loss = net(mine).sum()
+    last = net[4]
+    last.requires_grad_(False)
+    _backward(reducer, loss)
+    assert last.weight.grad is None and last.bias.grad is None
+    reference = _net()
+    reference[4].requires_grad_(False)
+    (reference(full).sum() / SIZE).backward()
+    for name, param in net.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param.grad, reference.get_parameter(name).grad, rtol=1e-12, atol=1e-12)
+    reducer.remove()
+
+
 @pytest.mark.mpi(ranks=(2,), timeout=60)
 def test_different_models_raise_clearly() -> None:
     torch.manual_seed(0)

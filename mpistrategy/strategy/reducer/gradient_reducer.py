@@ -255,6 +255,8 @@ class GradientReducer:
         gradient_ready, post_usage = self._starts.gradient_ready, self._post_usage
 
         def hook(param: torch.Tensor) -> None:
+            if not param.requires_grad:  # frozen after the forward pass (toggle_optimizer): autograd kept no gradient
+                return
             local[slot] = 1
             grad = param.grad
             if grad is not views[position] and grad is not None:

@@ -176,7 +176,7 @@ class GradientShards:
             self._flags = flags
 
     def _on_gradient(self, param: torch.Tensor) -> None:
-        if not self._armed:
+        if not self._armed or not param.requires_grad:  # frozen after the forward pass: autograd kept no gradient
             return
         bucket, position = self._where[id(param)]
         if bucket.index < self._next:
@@ -312,8 +312,9 @@ class GradientShards:
         while self._next < len(self.buckets):
             self._post(self._next)
         self._complete_in_flight()
-        for space in self.spaces:
-            space.fresh = False
+        for bucket in self.buckets:
+            if bucket.active_count:  # a space frozen in this pass (toggle_optimizer) keeps its shard as it was
+                bucket.space.fresh = False
         if self._sync:
             self._expose()
 

@@ -6,8 +6,10 @@ ShardedOptimizer` per optimizer and, under ``shard="gradients"``, the gradient s
 training step:
 
 - after each synchronised backward pass (:meth:`ShardedTraining.after_backward`): the pieces get their averaged
-  gradients (under ``shard="optimizer"`` the gradient reducer averaged every ``.grad`` as without sharding), and,
-  where an overflow check follows (a ``GradScaler``), the ranks agree on whether some gradient is not finite;
+  gradients (under ``shard="optimizer"`` the gradient reducer averaged every ``.grad`` as without sharding; under
+  ``shard="gradients"`` the parameters no optimizer steps keep their ``.grad``, averaged over the ranks as flat
+  mpi_ad averages it), and, where an overflow check follows (a ``GradScaler``), the ranks agree on whether some
+  gradient is not finite;
 - after each optimizer step (:meth:`ShardedTraining.after_step`): the updated shards are allgathered.
 
 ``optimizer.zero_grad()`` keeps zeroing the gradient buckets in place under ``shard="optimizer"``: the reducer
@@ -22,6 +24,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from mpistrategy.collectives.reduction import allreduce
+from mpistrategy.comm.communicator import world as world_communicator
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import INTER_NODE, TrafficCounter, scope_of
 from mpistrategy.strategy.reducer import GradientReducer
@@ -116,10 +120,33 @@ class ShardedTraining:
             problem = sharded.groups_problem()
             if problem is not None:  # no collective: a group added on some ranks only ends the job (see failures)
                 raise problem
+        if self.gradients is not None:
+            self._average_unstepped()
+        for sharded in self.optimizers:
             if self.gradients is None:
                 sharded.use_parameter_gradients()
             if self.agree_on_overflow:
                 sharded.agree_on_nonfinite()
+
+    def _average_unstepped(self) -> None:
+        """The ``.grad`` of each parameter that requires a gradient and that no optimizer steps (a temperature the
+        user updates, a weight read from ``.grad``) averaged over every rank, as flat mpi_ad does: one allreduce per
+        dtype and device of the gradients and a used flag each; a parameter some ranks gave no gradient gets the
+        average with zeros from those ranks, one no rank gave a gradient keeps ``None``."""
+        stepped = {id(p) for sharded in self.optimizers for p in sharded.params}
+        unstepped = [p for p in self.module.parameters() if p.requires_grad and id(p) not in stepped]
+        groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for param in unstepped:
+            groups.setdefault((param.dtype, param.device), []).append(param)
+        world = world_communicator()
+        for params in groups.values():
+            pieces = [torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1) for p in params]
+            used = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype, device=params[0].device)
+            total = allreduce(torch.cat([*pieces, used]), "sum", world)
+            sums, counts = total[: -len(params)].split([p.numel() for p in params]), total[-len(params) :]
+            for param, summed, count in zip(params, sums, counts.tolist(), strict=True):
+                if count:
+                    param.grad = (summed / world.size).view_as(param)
 
     def watch_scaler(self, scaler: Any) -> None:
         """Make ``scaler`` (a ``GradScaler``) take the ranks' agreed overflow for a sharded optimizer whose pieces

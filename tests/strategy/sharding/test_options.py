@@ -154,3 +154,20 @@ def test_a_finetuning_callback_is_refused_at_setup_on_every_rank(on_rank_zero_on
             model, loader(regression_data(SIZE * 8), 4)
         )
     _still_in_step()
+
+
+class _OwnClipping(Regressor):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_an_own_clipping_hook_under_stage_two_is_warned_of_once(shard: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Under stage 2 parameters hold no ``.grad`` after backward: a hook that clipped them itself would clip nothing."""
+    with caplog.at_level("WARNING", logger="mpistrategy"):
+        trainer(strategy=MPIADStrategy(shard=shard), max_steps=1).fit(
+            _OwnClipping(mlp()), loader(regression_data(SIZE * 8), 4)
+        )
+    warned = [r for r in caplog.records if "configure_gradient_clipping must clip through" in r.getMessage()]
+    assert len(warned) == (1 if shard == "gradients" and RANK == 0 else 0)

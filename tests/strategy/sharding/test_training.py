@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
-from tests.strategy.helpers import SIZE, assert_same_on_all_ranks, loader, trainer
+from tests.strategy.helpers import SIZE, assert_same_on_all_ranks, epoch_order, loader, trainer
 from tests.strategy.sharding.helpers import BUCKET_CAP_MB, DeepNet, fit, parameter_vector
 
 MODES = ("optimizer", "gradients")
@@ -119,3 +119,134 @@ def test_a_grad_scaler_with_a_rank_whose_shard_gets_no_gradient_trains_as_flat(s
     torch.testing.assert_close(sharded, flat, rtol=0, atol=1e-6)
     assert sharded_scale == flat_scale == 2.0**9  # halved once, at the skipped step
     assert_same_on_all_ranks(torch.tensor([sharded_scale]), "the scale")
+
+
+class _WithTemperature(L.LightningModule):
+    """A regression net scaled by a temperature that no optimizer steps: the user updates it from its averaged
+    ``.grad`` before each step (``shared`` by every rank; ``own`` only on rank 0, the others' gradient zero)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+        self.shared = nn.Parameter(torch.ones(1, dtype=torch.float64))
+        self.own = nn.Parameter(torch.ones(2, dtype=torch.float64))
+        self.grads: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x) * self.shared
+        if self.global_rank == 0:
+            out = out + self.own
+        return nn.functional.mse_loss(out, y)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.grads.append(torch.cat([self.shared.grad, self.own.grad]))
+        with torch.no_grad():
+            self.shared -= 0.1 * self.shared.grad
+            self.own -= 0.1 * self.own.grad
+        self.shared.grad = self.own.grad = None
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net.parameters(), lr=0.01)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=240)
+def test_stage_two_averages_the_gradients_of_parameters_no_optimizer_steps() -> None:
+    """As flat mpi_ad: the same averaged ``.grad`` on every rank (rank 0's own parameter averaged with the others'
+    zeros), so the user's updates keep the replicas equal."""
+    runs = {}
+    for shard in (None, "gradients"):
+        model = _WithTemperature()
+        torch.manual_seed(1)
+        data = TensorDataset(torch.randn(SIZE * 16, 6, dtype=torch.float64), torch.randn(SIZE * 16, 2).double())
+        trainer(strategy=MPIADStrategy(shard=shard), max_steps=4).fit(model, loader(data, 4))
+        runs[shard] = model
+    flat, sharded = runs[None], runs["gradients"]
+    assert len(sharded.grads) == 4 and bool(sharded.grads[0][1:].abs().sum() > 0)
+    for got, want in zip(sharded.grads, flat.grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.cat([sharded.shared, sharded.own]), torch.cat([flat.shared, flat.own]))
+    assert_same_on_all_ranks(torch.cat([sharded.shared, sharded.own]).detach())
+    torch.testing.assert_close(parameter_vector(sharded.net), parameter_vector(flat.net), rtol=0, atol=1e-12)
+
+
+class _Adversarial(L.LightningModule):
+    """Manual optimization as in a GAN: a critic step (Adam) on the generator's detached output, then a generator
+    step (SGD with momentum) through the critic, each inside ``toggle_optimizer``. ``late_toggle``: the generator's
+    step toggles after its forward pass (the critic's parameters are frozen once its graph exists)."""
+
+    def __init__(self, late_toggle: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.late_toggle = late_toggle
+        self.generator, self.critic = _adversaries()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        generator_optimizer, critic_optimizer = self.optimizers()
+        self.toggle_optimizer(critic_optimizer)
+        self.manual_backward(_critic_loss(self.critic, self.generator, x, y))
+        critic_optimizer.step()
+        critic_optimizer.zero_grad()
+        self.untoggle_optimizer(critic_optimizer)
+        if not self.late_toggle:
+            self.toggle_optimizer(generator_optimizer)
+        loss = _generator_loss(self.critic, self.generator, x, y)
+        if self.late_toggle:
+            self.toggle_optimizer(generator_optimizer)
+        self.manual_backward(loss)
+        generator_optimizer.step()
+        generator_optimizer.zero_grad()
+        self.untoggle_optimizer(generator_optimizer)
+
+    def configure_optimizers(self):
+        return _adversarial_optimizers(self.generator, self.critic)
+
+
+def _adversaries() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(3)
+    generator = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 6)).double()
+    critic = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2)).double()
+    return generator, critic
+
+
+def _adversarial_optimizers(generator: nn.Module, critic: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(generator.parameters(), lr=0.05, momentum=0.9), torch.optim.Adam(critic.parameters())]
+
+
+def _critic_loss(critic: nn.Module, generator: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(critic(generator(x).detach()), y)
+
+
+def _generator_loss(critic: nn.Module, generator: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -nn.functional.mse_loss(critic(generator(x)), y)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=240)
+@pytest.mark.parametrize("late_toggle", [False, True])
+@pytest.mark.parametrize("shard", [None, *MODES])
+def test_manual_optimization_with_toggled_optimizers_equals_one_process(shard: str | None, late_toggle: bool) -> None:
+    """Each step moves only the toggled optimizer's parameters, with the gradient of the whole batch: the toggles
+    act on the model's parameters also when the optimizers step shards, and a layer frozen after its forward pass
+    leaves the others' gradients averaged."""
+    torch.manual_seed(4)
+    x, y = torch.randn(SIZE * 12, 6, dtype=torch.float64), torch.randn(SIZE * 12, 2, dtype=torch.float64)
+    model = _Adversarial(late_toggle)
+    trainer(strategy=MPIADStrategy(shard=shard), max_epochs=1).fit(model, loader(TensorDataset(x, y), 4))
+
+    generator, critic = _adversaries()
+    generator_optimizer, critic_optimizer = _adversarial_optimizers(generator, critic)
+    x, y = epoch_order(TensorDataset(x, y)).tensors
+    for step in range(3):  # the step's batches of every rank together
+        rows = slice(step * SIZE * 4, (step + 1) * SIZE * 4)
+        critic_optimizer.zero_grad()
+        _critic_loss(critic, generator, x[rows], y[rows]).backward()
+        critic_optimizer.step()
+        generator_optimizer.zero_grad()
+        critic.requires_grad_(False)
+        _generator_loss(critic, generator, x[rows], y[rows]).backward()
+        critic.requires_grad_(True)
+        generator_optimizer.step()
+    for got, want in ((model.generator, generator), (model.critic, critic)):
+        torch.testing.assert_close(parameter_vector(got), parameter_vector(want), rtol=0, atol=1e-10)
