@@ -75,6 +75,7 @@ class ShardedTraining:
         self.group: ShardGroup = shard_group(topology, per_node)
         self.scope = scope_of(not per_node and topology.num_nodes > 1)
         self.optimizers: list[ShardedOptimizer] = []
+        self._stepped: set[int] = set()  # the ids of the parameters the optimizers step
         self.gradients: GradientShards | None = None
         if mode == "gradients":
             self.gradients = GradientShards(self.group, bucket_cap_mb, self.traffic, self.scope == INTER_NODE)
@@ -94,6 +95,7 @@ class ShardedTraining:
         _check_not_shared(optimizer, self.optimizers)
         sharded = ShardedOptimizer(optimizer, self.group.comm, self._launch_order)
         self.optimizers.append(sharded)
+        self._stepped.update(id(p) for p in sharded.params)
         if self.gradients is not None:
             self.gradients.add(sharded)
         return sharded
@@ -133,8 +135,7 @@ class ShardedTraining:
         user updates, a weight read from ``.grad``) averaged over every rank, as flat mpi_ad does: one allreduce per
         dtype and device of the gradients and a used flag each; a parameter some ranks gave no gradient gets the
         average with zeros from those ranks, one no rank gave a gradient keeps ``None``."""
-        stepped = {id(p) for sharded in self.optimizers for p in sharded.params}
-        unstepped = [p for p in self.module.parameters() if p.requires_grad and id(p) not in stepped]
+        unstepped = [p for p in self.module.parameters() if p.requires_grad and id(p) not in self._stepped]
         groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for param in unstepped:
             groups.setdefault((param.dtype, param.device), []).append(param)
