@@ -1,14 +1,15 @@
-"""Rank 1 is killed while rank 0 waits for it in a shared-memory allreduce. Rank 0 must raise, not wait forever.
+"""Rank 1's process ends abruptly (no MPI_Finalize, no cleanup) while rank 0 waits for it in a shared-memory
+allreduce. Rank 0 must raise, not wait forever.
 
 Run by tests/comm/test_shm_failures.py under ``mpiexec -disable-auto-cleanup`` (the launcher leaves rank 0 alone
-when rank 1 dies, so only the library's own check can end it). Writes ``RAISED after <s> s: <error>`` (or
-``NOT RAISED``) to the file ``$DEAD_PEER_REPORT`` and exits 3.
+when rank 1 ends, so only the library's own check can end it). Rank 1 ends by ``os._exit``, not by a signal: Hydra's
+proxy kills every rank of a job in which one died of a signal, ``-disable-auto-cleanup`` or not. Writes ``RAISED
+after <s> s: <error>`` (or ``NOT RAISED``) to the file ``$DEAD_PEER_REPORT`` and exits 3.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import torch
@@ -21,7 +22,7 @@ rank = MPI.COMM_WORLD.Get_rank()
 tensor = torch.ones(100_000)
 assert torch.equal(ms.allreduce(tensor), tensor * 2)  # both ranks have built the group
 if rank == 1:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(9)
 started = time.monotonic()
 try:
     ms.allreduce(tensor)
