@@ -35,6 +35,7 @@ from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy import conventions, failures, sync
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.environment import MPIEnvironment
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
 from mpistrategy.strategy.sharding.options import check_shard
 from mpistrategy.sync import SyncMode, build_sync
 from mpistrategy.sync.transport import NODE_TRANSPORTS
@@ -321,6 +322,20 @@ class MPIStrategyBase:
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """``decision`` combined over the ranks: true where every rank's is (``all``), else where any rank's is."""
         return sync.reduce_boolean(decision, all, self.topology.control, world())
+
+    def consolidated_optimizer_state(self, optimizer: Any, to: int = 0) -> dict[str, Any] | None:
+        """Collective: the whole ``state_dict()`` of ``optimizer`` (or of the optimizer a Lightning wrapper holds)
+        on rank ``to``, ``None`` on the other ranks. Under ``shard=``, where ``optimizer.state_dict()`` is the state
+        of this rank's pieces, the pieces of one copy of the state are gathered into the state the unsharded
+        optimizer would have, its parameters numbered as its ``state_dict()`` numbers them (what torch's
+        ``ZeroRedundancyOptimizer.consolidate_state_dict(to)`` and then ``state_dict()`` give). Unsharded: rank
+        ``to``'s ``optimizer.state_dict()``."""
+        sharded = self._sharded_optimizer(optimizer)
+        return sync.optimizer_state_on(optimizer, sharded, to, self.topology.control, world())
+
+    def _sharded_optimizer(self, optimizer: Any) -> ShardedOptimizer | None:
+        """The sharded form of ``optimizer``, if the strategy shards it."""
+        raise NotImplementedError
 
     # -------------------------------------------------------------------------------------- stop signals
 

@@ -232,7 +232,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
     ) -> Tensor:
         """Fabric's clipping by norm; a sharded optimizer's gradients are clipped by the norm of the whole gradient
         (collective over the ranks that share its state)."""
-        sharded = self._sharded(optimizer)
+        sharded = self._sharded_optimizer(optimizer)
         if sharded is not None:
             self.precision.unscale_gradients(optimizer)
             return sharded.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
@@ -264,7 +264,9 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         their shard files beside ``path`` first (see :mod:`~mpistrategy.strategy.sharding.checkpoint`). The stall
         watchdog reports a rank that goes on without saving while another saves."""
         watchdog.entered_every_rank_call("fabric.save", checkpoints.FABRIC_SAVE_ON_EVERY_RANK)
-        unsharded = {key: sharded_checkpoint.placeholder() if self._sharded(obj) else obj for key, obj in state.items()}
+        unsharded = {
+            key: sharded_checkpoint.placeholder() if self._sharded_optimizer(obj) else obj for key, obj in state.items()
+        }
         checkpoint = self._convert_stateful_objects_in_state(unsharded, filter=filter or {})
         engine_states = [engine.state_dict() for _, engine in self._engines]
         if any(_carries_state(engine_state) for engine_state in engine_states):
@@ -276,7 +278,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         if token is not None and self.is_global_zero:
             sharded_checkpoint.committed(os.fspath(path), token)
 
-    def _sharded(self, optimizer: Any) -> ShardedOptimizer | None:
+    def _sharded_optimizer(self, optimizer: Any) -> ShardedOptimizer | None:
         """The sharded form of ``optimizer``, if it is an optimizer some model's engine shards (its
         ``state_dict()`` is then the state of this rank's pieces)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -355,7 +357,9 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
     def _restore_optimizers(self, optimizers: list[Any], entries: list[Any], path: Any) -> list[Any]:
         """Collective: load the sharded ones of ``optimizers`` from their ``entries``; returns what the others
         load (``None`` for the sharded ones; see :func:`~mpistrategy.strategy.sharding.checkpoint.restore`)."""
-        return sharded_checkpoint.restore(optimizers, entries, os.fspath(path), self._sharded, self.topology.control)
+        return sharded_checkpoint.restore(
+            optimizers, entries, os.fspath(path), self._sharded_optimizer, self.topology.control
+        )
 
     def _restore(
         self,

@@ -58,6 +58,7 @@ from mpistrategy.strategy.resumable import CountedLoader, make_resumable, unwrap
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
 from mpistrategy.strategy.sharding import files as sharded_files
 from mpistrategy.strategy.sharding import lightning_hooks
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
 from mpistrategy.strategy.sharding.training import ShardedTraining
 
 log = logging.getLogger(__name__)
@@ -337,7 +338,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
             return sharded_checkpoint.placeholder()
         return super().optimizer_state(optimizer)  # type: ignore[misc]
 
-    def _sharded_optimizer(self, optimizer: Any) -> Any:
+    def _sharded_optimizer(self, optimizer: Any) -> ShardedOptimizer | None:
         return None if self._sharding is None else self._sharding.sharded(optimizer)
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -26,6 +26,8 @@ from mpistrategy.comm.buffers import mpi_buffer, off_wire, on_wire
 from mpistrategy.comm.checks import check_rank, checked
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.strategy import failures
+from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
 
 _OP_NAMES = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
@@ -83,13 +85,14 @@ def _signature(*local: object) -> tuple[tuple, None]:
     return local, None
 
 
-def _root_signature(src: int, comm: Communicator) -> tuple[tuple, None]:
-    check_rank(src, comm, "broadcast", "src")
-    return (src,), None
+def root_signature(root: int, comm: Communicator, what: str = "broadcast", role: str = "src") -> tuple[tuple, None]:
+    """The local check of a control call to or from one rank, ``root`` (named ``role`` in ``what``'s errors)."""
+    check_rank(root, comm, what, role)
+    return (root,), None
 
 
 @contextlib.contextmanager
-def _checked(
+def control_call(
     on: Communicator, what: str, describe: str = "", check: Callable[..., tuple] = _signature, *args: object
 ) -> Iterator[None]:
     """A control call, registered on ``on`` and checked across ranks there (``check(*args)``: this rank's checks
@@ -106,7 +109,7 @@ def gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm, checked_on: Commun
     """Every rank's ``tensor`` in a list, shapes allowed to differ (torchmetrics' ``dist_sync_fn`` contract)."""
     if comm.Get_size() == 1:
         return [tensor]
-    with _checked(checked_on, "metric state sync"):
+    with control_call(checked_on, "metric state sync"):
         return _gather_tensors(tensor, comm)
 
 
@@ -125,14 +128,36 @@ def broadcast_object(obj: Any, src: int, comm: MPI.Intracomm, checked_on: Commun
     """Rank ``src``'s ``obj`` (any picklable object, tensors included) on every rank."""
     if comm.Get_size() == 1:
         return obj
-    with _checked(checked_on, "broadcast", "src", _root_signature, src, checked_on):
+    with control_call(checked_on, "broadcast", "src", root_signature, src, checked_on):
         return comm.bcast(obj, root=src)
+
+
+def optimizer_state_on(
+    optimizer: Any, sharded: ShardedOptimizer | None, to: int, comm: MPI.Intracomm, checked_on: Communicator
+) -> dict[str, Any] | None:
+    """``optimizer``'s whole ``state_dict()`` on rank ``to``, ``None`` elsewhere; ``sharded``: its sharded form,
+    whose pieces are gathered (:func:`~mpistrategy.strategy.sharding.checkpoint.consolidated_on`)."""
+    what = "consolidated_optimizer_state"
+    with control_call(
+        checked_on, what, "to, sharded", _state_signature, optimizer, sharded is not None, to, checked_on
+    ):
+        return sharded_checkpoint.consolidated_on(optimizer, sharded, to, comm)
+
+
+def _state_signature(optimizer: Any, sharded: bool, to: int, comm: Communicator) -> tuple[tuple, None]:
+    if not isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.Optimizer):
+        raise TypeError(
+            f"consolidated_optimizer_state: expected a torch optimizer (or Lightning's wrapper of one), got "
+            f"{type(optimizer).__name__}; pass one of the optimizers the strategy set up."
+        )
+    root_signature(to, comm, "consolidated_optimizer_state", "to")
+    return (to, sharded), None
 
 
 def barrier(comm: MPI.Intracomm, checked_on: Communicator) -> None:
     """Wait until every rank has reached its barrier."""
     if comm.Get_size() > 1:
-        with _checked(checked_on, "barrier"):
+        with control_call(checked_on, "barrier"):
             comm.Barrier()
 
 
@@ -140,7 +165,7 @@ def reduce_boolean(decision: bool, every: bool, comm: MPI.Intracomm, checked_on:
     """``decision`` combined over the ranks: true where every rank's is (``every``), else where any rank's is."""
     if comm.Get_size() == 1:
         return bool(decision)
-    with _checked(checked_on, "reduce_boolean_decision", "all", _signature, every):
+    with control_call(checked_on, "reduce_boolean_decision", "all", _signature, every):
         return bool(comm.allreduce(bool(decision), op=MPI.LAND if every else MPI.LOR))
 
 
@@ -164,7 +189,9 @@ def share_buffers(module: nn.Module, comm: MPI.Intracomm, checked_on: Communicat
     buffers = list(module.buffers())
     if not buffers or comm.Get_size() == 1:
         return
-    with _checked(checked_on, "buffer broadcast", "buffers and elements", _signature, len(buffers), _numel(buffers)):
+    with control_call(
+        checked_on, "buffer broadcast", "buffers and elements", _signature, len(buffers), _numel(buffers)
+    ):
         broadcast_tensors(buffers, comm)
 
 

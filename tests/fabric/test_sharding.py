@@ -2,7 +2,7 @@
 batch (AdamW and momentum, norm clipping, ``no_backward_sync`` accumulation); ``fabric.save`` writes one shard file
 per rank and a manifest, ``fabric.load`` restores the state exactly (training then continues bit for bit), also into
 an unsharded run and through ``fabric.load_raw``; ``consolidate`` and ``mpistrategy-consolidate`` give the whole
-optimizer state."""
+optimizer state from a checkpoint, ``strategy.consolidated_optimizer_state`` from the running ranks."""
 
 from __future__ import annotations
 
@@ -83,6 +83,14 @@ def test_sharded_training_matches_single_process_whole_batch(shard: str, optimiz
     # each rank holds the optimizer state of its shard only: together the ranks hold every element once
     held = sum(t.numel() for state in opt.state.values() for t in state.values() if torch.is_tensor(t) and t.ndim)
     assert sum(COMM.allgather(held)) == (2 if optimizer == "adamw" else 1) * want.numel()
+    # gathered on the last rank: the single process's whole state, numbered as its state_dict() numbers it
+    whole = fabric.strategy.consolidated_optimizer_state(opt, to=SIZE - 1)
+    if RANK == SIZE - 1:
+        expected = ref_opt.state_dict()
+        torch.testing.assert_close(whole["state"], expected["state"], rtol=1e-10, atol=1e-10)
+        assert whole["param_groups"] == expected["param_groups"]
+    else:
+        assert whole is None
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
@@ -153,6 +161,26 @@ def test_a_sharded_checkpoint_loads_into_an_unsharded_run_and_raw() -> None:
     _, sharded_optimizer = _set_up(fabric, seed=3)
     fabric.load_raw(raw, sharded_optimizer)  # a plain state dict into a sharded optimizer: each rank its pieces
     torch.testing.assert_close(sharded_optimizer.state_dict(), optimizer.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+@pytest.mark.parametrize("wrong", ["out of range", "another rank", "not an optimizer"])
+def test_consolidation_with_a_wrong_argument_on_one_rank_raises_on_every_rank(wrong: str) -> None:
+    fabric = launched(MPIADFabricStrategy(shard="optimizer"))
+    _, optimizer = _set_up(fabric, seed=1)
+    given, to = optimizer, 0
+    if RANK == SIZE - 1:
+        given, to = {"out of range": (optimizer, SIZE), "another rank": (optimizer, 1), "not an optimizer": ({}, 0)}[
+            wrong
+        ]
+    with pytest.raises(Exception) as raised:
+        fabric.strategy.consolidated_optimizer_state(given, to=to)
+    message = str(raised.value)
+    assert "consolidated_optimizer_state" in message, message
+    if RANK == SIZE - 1 and wrong != "another rank":
+        assert (f"to={SIZE}" if wrong == "out of range" else "expected a torch optimizer") in message, message
+    whole = fabric.strategy.consolidated_optimizer_state(optimizer, to=0)  # the ranks go on together
+    assert (whole is not None) == (RANK == 0)
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)

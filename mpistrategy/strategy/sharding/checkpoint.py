@@ -214,10 +214,10 @@ def consolidate_manifest(manifest: dict[str, Any], reader: ShardReader) -> dict[
     return {"state": whole_states(saved, manifest["shapes"]), "param_groups": manifest["param_groups"]}
 
 
-def consolidated_state(sharded: ShardedOptimizer, comm: MPI.Intracomm) -> dict[str, Any] | None:
+def consolidated_state(sharded: ShardedOptimizer, comm: MPI.Intracomm, root: int = 0) -> dict[str, Any] | None:
     """Collective over the shard group ``comm``: the plain ``state_dict()`` of the unsharded optimizer, on its
-    rank 0 (``None`` elsewhere), gathered from every shard in memory."""
-    entries = comm.gather(sharded.shard_state(), root=0)
+    rank ``root`` (``None`` elsewhere), gathered from every shard in memory."""
+    entries = comm.gather(sharded.shard_state(), root=root)
     if entries is None:
         return None
     saved: dict[int, list[SavedPiece]] = {}
@@ -225,6 +225,25 @@ def consolidated_state(sharded: ShardedOptimizer, comm: MPI.Intracomm) -> dict[s
         for index, start, stop, state in shard:
             saved.setdefault(index, []).append(SavedPiece(start, stop, state))
     return {"state": whole_states(saved, sharded.shapes), "param_groups": sharded.param_groups()}
+
+
+def consolidated_on(
+    optimizer: Any, sharded: ShardedOptimizer | None, to: int, control: MPI.Intracomm
+) -> dict[str, Any] | None:
+    """``optimizer``'s whole ``state_dict()`` on the rank ``to`` of ``control`` (``None`` on the others). Sharded
+    (``sharded``), it is gathered from the shard group that holds rank ``to``: only that group's ranks
+    communicate (every shard group holds one copy of the state). Unsharded, rank ``to``'s own state."""
+    if sharded is None:
+        return getattr(optimizer, "_optimizer", optimizer).state_dict() if control.Get_rank() == to else None
+    world_group, shard_group = control.Get_group(), sharded.comm.Get_group()
+    try:
+        (root,) = MPI.Group.Translate_ranks(world_group, [to], shard_group)
+    finally:
+        world_group.Free()
+        shard_group.Free()
+    if root == MPI.UNDEFINED:
+        return None
+    return consolidated_state(sharded, sharded.comm, root)
 
 
 def consolidate(path: str, out: str | None = None) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
-from mpistrategy.strategy.sharding.checkpoint import consolidated_state
 from tests.strategy.helpers import RANK, SIZE, loader, trainer
 
 FEATURES, WIDTH, LAYERS = 16, 64, 12
@@ -72,7 +71,8 @@ def parameter_vector(module: nn.Module) -> torch.Tensor:
 
 @dataclass
 class Run:
-    """What a fit leaves: the parameters, the whole optimizer state (on rank 0), the memory each rank holds."""
+    """What a fit leaves: the parameters, the whole optimizer state (on the last rank), the memory each rank
+    holds."""
 
     params: torch.Tensor
     optimizer_state: dict[str, Any] | None
@@ -96,13 +96,10 @@ def fit(shard: str | None, sync: str = "flat", steps: int = 20, accumulate: int 
         callbacks=[probe],
     )
     fit.fit(model, loader(data(steps, accumulate), BATCH))
-    optimizer = fit.optimizers[0]
-    sharding = strategy._sharding
-    if sharding is None:
-        state = copy.deepcopy(optimizer.state_dict()) if RANK == 0 else None
-    else:
-        state = consolidated_state(sharding.sharded(optimizer), sharding.group.comm)
-    shards = 1 if sharding is None else sharding.group.size
+    # the whole state on the last rank (under hierarchical sync, in the second node's shard group)
+    state = copy.deepcopy(strategy.consolidated_optimizer_state(fit.optimizers[0], to=SIZE - 1))
+    assert (state is not None) == (RANK == SIZE - 1), f"rank {RANK} got a state: {state is not None}"
+    shards = 1 if strategy._sharding is None else strategy._sharding.group.size
     return Run(
         parameter_vector(model), state, probe.optimizer_state_bytes, probe.grad_bytes, model.peak_grad_bytes, shards
     )
