@@ -15,23 +15,35 @@ records the op; backward then costs one reduction of the cotangents, as for a su
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from mpi4py import MPI
 
 from mpistrategy.collectives.handles import Pending
 from mpistrategy.comm.buffers import empty_on_wire, mpi_buffer, mpi_op, on_wire, reduction_dtype
-from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.communicator import Communicator, on_release
+
+_reversed_copies: dict[Communicator, MPI.Intracomm] = {}
 
 
-@functools.cache
 def _reversed(comm: Communicator) -> MPI.Intracomm:
     """A copy of ``comm``'s forward channel with the ranks in reverse order (rank r is rank P-1-r there).
 
-    Made once per communicator, by every rank in the first product that autograd records (collective).
+    Made once per communicator, by every rank in the first product that autograd records (collective), and freed
+    with the communicator.
     """
-    return comm.forward.Split(0, comm.size - 1 - comm.rank)  # type: ignore[return-value]  # mpi4py: Comm
+    if comm not in _reversed_copies:
+        reversed_copy = comm.forward.Split(0, comm.size - 1 - comm.rank)
+        _reversed_copies[comm] = reversed_copy  # type: ignore[assignment]  # mpi4py types Split's result as Comm
+    return _reversed_copies[comm]
+
+
+def _free_reversed(comm: Communicator) -> None:
+    copy = _reversed_copies.pop(comm, None)
+    if copy is not None:
+        copy.Free()
+
+
+on_release(_free_reversed)
 
 
 def start_exclusive_product(tensor: torch.Tensor, comm: Communicator) -> Pending:

@@ -109,6 +109,13 @@ class Topology:
             cross_gradients=Communicator(self.cross_gradients.comm.Dup()),
         )
 
+    def free_gradient_channels(self) -> None:
+        """Free the gradient communicators (collective over every rank): of a copy made by
+        :meth:`with_own_gradient_channels`, once its model's training is over."""
+        for comm in (self.gradients, self.node_gradients, self.leader_gradients, self.cross_gradients):
+            if comm is not None:
+                comm.free()
+
 
 _topologies: dict[int | None, Topology] = {}
 _lock = threading.Lock()

@@ -58,6 +58,7 @@ except ImportError:  # the core install has no Lightning
 from torch import Tensor, nn
 
 from mpistrategy.comm import watchdog
+from mpistrategy.comm.topology import Topology
 from mpistrategy.strategy import checkpoints, failures
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
@@ -107,6 +108,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         # engine states of the last load for models not set up yet: (the model it names, or None for setup order)
         self._pending_states: list[tuple[nn.Module | None, dict[str, Any]]] = []
         self._routed: list[tuple[torch.optim.Optimizer, type]] = []  # optimizers given a routed class, their own
+        self._own_channels: list[Topology] = []  # the gradient channels made for the second and later models
 
     @property
     def engines(self) -> list[DataParallelEngine]:
@@ -148,12 +150,14 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         if not self._engines:
             engine = self._build_engine(module, optimizers)
         else:
+            own_channels = self.topology.with_own_gradient_channels()
+            self._own_channels.append(own_channels)
             engine = self._build_engine(
                 module,
                 optimizers,
                 copy.deepcopy(self._sync_template),
                 copy.deepcopy(self._aggregator_template),
-                self.topology.with_own_gradient_channels(),
+                own_channels,
             )
         for optimizer in optimizers:
             engine.attach_optimizer(optimizer)
@@ -399,6 +403,9 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         for _, engine in self._engines:
             engine.teardown()
         self._engines = []
+        for topology in self._own_channels:
+            topology.free_gradient_channels()
+        self._own_channels = []
         for optimizer, original in self._routed:
             optimizer.__class__ = original
         self._routed = []

@@ -46,7 +46,7 @@ from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.low_precision import HALF_DTYPES, half_buffer, half_sum
 from mpistrategy.comm.progress import Progress, drive
 from mpistrategy.comm.shared_flats import SharedFlats
-from mpistrategy.comm.shm import group_for, release, shared_memory_mode
+from mpistrategy.comm.shm import group_for, shared_memory_mode
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import INTER_NODE, NODE, TrafficCounter
 
@@ -322,15 +322,17 @@ class ModelAverager:
         self.assign(flats)
 
     def close(self) -> None:
-        """Free the node's shared memory (collective over the node; rebuilt if an average follows). Averages in
-        flight must be complete; a mean still referenced keeps its memory until MPI ends."""
+        """Free the node's shared memory and the averager's communicators (collective; end of training: no
+        average follows). Averages in flight must be complete; a mean still referenced keeps its memory until MPI
+        ends."""
         self._in_flight = [None, None]
         self._wires = {}
         if self._shared is not None:
             self._shared.free()
             self._shared = None
-        if self.node is not None:
-            release(self.node)
+        for comm in (self.world, self.node, self.leaders):
+            if comm is not None:
+                comm.free()  # its shared-memory groups go with it
 
     def assign(self, flats: list[torch.Tensor]) -> None:
         """Set the state to ``flats`` (as :meth:`pack` lays it out)."""

@@ -174,8 +174,11 @@ class Gossip(SyncMode):
         self._sent, self._received = None, {}
 
     def finish(self) -> None:
+        """Mix the exchange in flight, then free the communicators (collective; end of training)."""
         if self._sent is not None:
             self._mix()
+        self.averager.close()
+        self.comm.free()
 
     def state_dict(self) -> dict[str, Any]:
         """The step and every rank's exchange in flight (completed), gathered to rank 0 (collective)."""

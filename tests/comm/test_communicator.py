@@ -1,5 +1,5 @@
 """The wrapper of a user's communicator: cached on the communicator, new for a communicator created after another
-was freed (MPI hands out freed handles again) (1-4 ranks)."""
+was freed (MPI hands out freed handles again), its channels freed with the communicator (1-4 ranks)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from mpi4py import MPI
 import mpistrategy as ms
 from mpistrategy.comm.communicator import resolve
 from tests.adjoint import rank, size
+from tests.mpi_resources import free_context_ids
 
 pytestmark = pytest.mark.mpi
 
@@ -20,6 +21,7 @@ def test_a_communicator_is_wrapped_once_and_its_duplicate_anew() -> None:
         wrapper = resolve(duplicate)
         assert resolve(duplicate) is wrapper and resolve(wrapper) is wrapper
         assert resolve(MPI.COMM_WORLD) is ms.world() is not wrapper
+        assert ms.Communicator(duplicate) is wrapper and ms.Communicator(wrapper) is wrapper  # not duplicated again
         again = duplicate.Dup()
         try:
             assert resolve(again) is not wrapper
@@ -49,3 +51,23 @@ def test_ops_on_a_communicator_created_after_another_was_freed_run_on_its_own_me
             assert root_value.item() == float(order[0])
         finally:
             whole.Free()
+
+
+@pytest.mark.parametrize("shared_memory", ["on", "off"])
+def test_freeing_a_used_communicator_frees_what_mpistrategy_made_on_it(shared_memory: str) -> None:
+    """Each used communicator gets three duplicates, shared-memory groups and (for the product) a reversed copy:
+    freed with it, so that a loop that creates and frees communicators does not exhaust MPI's context ids."""
+    ms.set_shared_memory(shared_memory)
+    try:
+        before = free_context_ids()
+        for _ in range(40):
+            sub = MPI.COMM_WORLD.Split(color=0, key=rank())
+            x = torch.full((3000,), float(rank() + 1), dtype=torch.float64, requires_grad=True)
+            total = ms.allreduce(x, comm=sub)
+            product = ms.allreduce(x, op="prod", comm=sub)
+            (total.sum() + product.sum()).backward()
+            assert total[0].item() == size() * (size() + 1) / 2
+            sub.Free()
+        assert free_context_ids() == before
+    finally:
+        ms.set_shared_memory("auto")

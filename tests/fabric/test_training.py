@@ -23,6 +23,7 @@ from tests.fabric.helpers import (
     reference_training,
     regression_data,
 )
+from tests.mpi_resources import free_context_ids
 
 PER_RANK = 4
 STEPS = 3
@@ -138,6 +139,15 @@ def test_two_models_in_one_backward_match_single_process() -> None:
             optimizer.zero_grad()
     for trained, reference in ((generator, ref_generator), (critic, ref_critic)):
         torch.testing.assert_close(flat_parameters(trained), flat_parameters(reference), **TOLERANCE)
+    # the second model's own channels go with the strategy's teardown: set up and torn down again, the same count
+    fabric.strategy.teardown()
+    free = free_context_ids()
+    again = launched()
+    for model in (Generator(), _critic()):
+        again.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(again.strategy.engines) == 2
+    again.strategy.teardown()
+    assert free_context_ids() == free
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)

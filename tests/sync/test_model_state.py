@@ -1,5 +1,6 @@
-"""What the modes average besides the weights: every parameter group and the BatchNorm running statistics; and the
-Trainer features they must keep working (bf16-mixed, gradient accumulation, clipping).
+"""What the modes average besides the weights: every parameter group and the BatchNorm running statistics; the
+Trainer features they must keep working (bf16-mixed, gradient accumulation, clipping); and what a fit leaves
+behind: no communicator (MPI's context ids are finite), a checkpoint still saved after it.
 
 4 ranks as 2 nodes of 2. The model has BatchNorm and two parameter groups with their own learning rates; each rank
 sees its own data, so replicas drift apart between averages."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import lightning.pytorch as L
 import pytest
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from mpistrategy.comm.shm import shared_memory
@@ -17,7 +19,17 @@ from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import DASO, Gossip, HierarchicalLocalSGD, LocalSGD
 from mpistrategy.sync.averaging import ModelAverager
-from tests.strategy.helpers import COMM, RANK, SIZE, assert_same_on_all_ranks, loader, regression_data, trainer
+from tests.mpi_resources import free_context_ids
+from tests.strategy.helpers import (
+    COMM,
+    RANK,
+    SIZE,
+    assert_same_on_all_ranks,
+    loader,
+    regression_data,
+    shared_tmpdir,
+    trainer,
+)
 
 PER_RANK_BATCH = 4
 
@@ -77,7 +89,8 @@ def _randomized(module: nn.Module, seed: int) -> None:
 def test_node_route_in_shared_memory_equals_mpi_and_keeps_two_averages_in_flight() -> None:
     """The ``"nodes"`` route with its buffers in the node's shared memory (the mean read in place off the leader)
     gives MPI's result (node sum and broadcast over MPI) in float32 and bfloat16 on the wire; two averages may be
-    in flight, a third is refused on every rank; after ``close()`` the memory is free and averaging works again.
+    in flight, a third is refused on every rank; ``close()`` frees the memory and the communicators, and a new
+    averager works.
     3 ranks are a node of 2 and a node of 1."""
     nodes = topology(ranks_per_node=2)
     module = _model()
@@ -110,9 +123,11 @@ def test_node_route_in_shared_memory_equals_mpi_and_keeps_two_averages_in_flight
     first = second = None
     averager.close()
     assert averager._shared is None, "close() kept the shared memory"
-    averager.assign(averager.average())
+    assert averager.node is not None and averager.node.comm == MPI.COMM_NULL, "close() kept the communicators"
+    again = ModelAverager(module, nodes, TrafficCounter(), "nodes")  # what a later fit builds
+    again.assign(again.average())
     torch.testing.assert_close(_state(module), second_expected.float().double(), rtol=1e-6, atol=1e-6)
-    averager.close()
+    again.close()
 
 
 def _state_of(flats: list[torch.Tensor]) -> torch.Tensor:
@@ -154,3 +169,21 @@ def test_bf16_mixed_accumulation_and_clipping_end_on_one_model(mode: str) -> Non
             torch.testing.assert_close(other, after, rtol=1e-6, atol=1e-6)
     else:
         assert_same_on_all_ranks(after, "parameters and BatchNorm statistics")
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=240)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_fit_frees_the_communicators_of_its_mode_and_a_checkpoint_saves_after_it(mode: str) -> None:
+    """Fits in one process (a Hydra sweep's jobs) must not each keep the mode's communicators: after the first
+    fit, which builds what the process keeps (the topology), two more fits leave as many free context ids; and the
+    mode's state still saves after fit (``trainer.save_checkpoint``)."""
+    data = regression_data(SIZE * PER_RANK_BATCH * 6, seed=7)
+    free = []
+    for _ in range(3):
+        fit = trainer(strategy=MPIADStrategy(sync=MODES[mode](), ranks_per_node=2), max_epochs=1)
+        fit.fit(TwoGroups(), loader(data, PER_RANK_BATCH))
+        free.append(free_context_ids())
+    assert free[1] == free[0] and free[2] == free[0], f"free context ids after each fit: {free}"
+    path = f"{shared_tmpdir()}/after-fit.ckpt"
+    fit.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["mpistrategy"]["sync"]["name"] == mode

@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 from mpistrategy.comm.checks import Exchange, check_on_node
-from mpistrategy.comm.communicator import Communicator
+from mpistrategy.comm.communicator import Communicator, on_release
 from mpistrategy.comm.shm.group import SharedMemoryGroup
 from mpistrategy.comm.shm.settings import require_alike, shared_memory_mode, uses_shared_memory
 from mpistrategy.comm.shm_window import machine_comm
@@ -100,3 +100,6 @@ def release(comm: Communicator) -> None:
         group = _groups.pop(channel.py2f(), None)
         if group is not None:
             group.close()
+
+
+on_release(release)  # a freed communicator's groups go with it: MPI may give its channels' handles to new ones
