@@ -337,14 +337,15 @@ class DataParallelEngine:
             optimizer.load_state_dict(optimizer_state)
 
     def teardown(self) -> None:
-        """Complete the sync mode's work in flight and remove the reducer's hooks."""
+        """Complete the sync mode's work in flight and remove the sharding's and the reducer's hooks (in this
+        order: the reducer frees the gradient buckets, which the sharded optimizer's pieces may view)."""
         self.sync.finish()
-        if self.reducer is not None:
-            self.reducer.remove()
-            self.reducer = None
         if self.sharding is not None:
             self.sharding.remove()
             self.sharding = None
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
 
 
 def _described(optimizer: torch.optim.Optimizer) -> str:

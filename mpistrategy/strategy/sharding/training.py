@@ -174,12 +174,15 @@ class ShardedTraining:
         return self.gradients.buffers() if self.gradients is not None else []
 
     def remove(self) -> None:
-        """Remove the gradient hooks, give the optimizers their ``zero_grad`` back and unmap the peers' parameter
-        buffers (collective). The optimizers keep their pieces (and can still be saved: see
-        :mod:`~mpistrategy.strategy.sharding.checkpoint`)."""
+        """Remove the gradient hooks, give the optimizers their ``zero_grad`` back, drop the pieces' gradients
+        (views of the parameters' gradients, which may live in the reducer's shared memory: freed next) and unmap
+        the peers' parameter buffers (collective). The optimizers keep their pieces and state (and can still be
+        saved: see :mod:`~mpistrategy.strategy.sharding.checkpoint`)."""
         if self.gradients is not None:
             self.gradients.remove()
         for sharded in self.optimizers:
+            for piece in sharded.pieces:
+                piece.grad = None
             for space in sharded.spaces:
                 space.release()
 

@@ -15,8 +15,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
+from tests.mpi_resources import free_context_ids
 from tests.strategy.helpers import SIZE, assert_same_on_all_ranks, epoch_order, loader, trainer
-from tests.strategy.sharding.helpers import BUCKET_CAP_MB, DeepNet, fit, parameter_vector
+from tests.strategy.sharding.helpers import BATCH, BUCKET_CAP_MB, DeepNet, data, fit, parameter_vector
 
 MODES = ("optimizer", "gradients")
 TOLERANCE = {"rtol": 0, "atol": 1e-6}
@@ -62,6 +63,24 @@ def test_stage_two_holds_a_gradient_shard_and_at_most_one_bucket_and_its_block()
     bound = gradients / SIZE + 2 * BUCKET_CAP_MB * 1024 * 1024
     assert stage_two.peak_grad_bytes <= bound, f"{stage_two.peak_grad_bytes} bytes > {bound}"
     assert stage_two.grad_bytes_after_backward <= gradients / SIZE + 64
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=240)
+@pytest.mark.parametrize("sync", ["flat", "hierarchical"])
+@pytest.mark.parametrize("shard", MODES)
+def test_fits_in_one_process_leave_nothing_allocated(shard: str, sync: str) -> None:
+    """A sweep's fits in one process: after the first (which builds what the process keeps: topology, shard
+    groups), each fit frees what it allocated (shared-memory gradient buckets, which stage 1's pieces view, and
+    their MPI windows), so the free context ids stay the same; the optimizer state stays, for a checkpoint."""
+    free = []
+    for _ in range(3):
+        strategy = MPIADStrategy(shard=shard, sync=sync, ranks_per_node=2, bucket_cap_mb=BUCKET_CAP_MB)
+        run = trainer(strategy=strategy, max_steps=2)
+        run.fit(DeepNet(), loader(data(2, 1), BATCH))
+        free.append(free_context_ids())
+    assert free[1] == free[0] and free[2] == free[0], f"free context ids after each fit: {free}"
+    whole = strategy.consolidated_optimizer_state(run.optimizers[0])
+    assert whole is None or len(whole["state"]) == len(list(DeepNet().parameters())) - 4
 
 
 @pytest.mark.mpi(ranks=(4,), timeout=240)
