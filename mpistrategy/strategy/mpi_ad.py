@@ -422,6 +422,13 @@ class MPIADStrategyMixin(MPIStrategyBase):
             return
         failures.abort(exception)
 
+    def setup_environment(self) -> None:
+        """Before Lightning's setup: a stop signal from here on (data preparation, setup hooks, checkpoint loading)
+        is a coordinated stop at the first training steps, not the end of the rank it reached."""
+        super().setup_environment()
+        if self._fitting():
+            self._install_stop_signals()
+
     def on_train_start(self) -> None:
         self._attach_metric_sync()
         self._install_stop_signals()

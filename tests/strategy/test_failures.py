@@ -98,6 +98,27 @@ def test_sigterm_in_the_sanity_check_stops_all_at_the_first_steps_with_a_checkpo
     assert torch.load(Path(directory) / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == steps[0]
 
 
+def test_sigterm_during_setup_stops_all_at_the_first_steps_with_a_checkpoint() -> None:
+    """A preemption while the job sets up (data, setup hooks, checkpoint loading: before Lightning's own handlers)
+    is a coordinated stop too, not the signal's default action on one rank."""
+    directory = tempfile.mkdtemp()
+    code, output, _ = _run("sigterm_setup", directory)
+    assert code == STOPPED_EXIT_CODE, output[-4000:]
+    assert "SIGNALLING rank=1" in output and "raised an exception" not in output, output[-4000:]
+    steps = _stopped_steps(output)
+    assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1 and steps[0] <= 2, output[-4000:]
+    assert torch.load(Path(directory) / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == steps[0]
+
+
+def test_sigterm_after_fit_takes_its_default_action() -> None:
+    """Once fit is over the strategy's handler is not in the way (Lightning puts back the handler it found, the
+    strategy's): SIGTERM ends the process as it would without mpistrategy."""
+    code, output, _ = _run("sigterm_after_fit", tempfile.mkdtemp())
+    assert code != 0, output[-4000:]
+    assert "SIGNALLING rank=1" in output and "SURVIVED" not in output, output[-4000:]
+    assert sorted(_stopped_steps(output).values()) == [5, 5, 5], output[-4000:]
+
+
 def test_rank_killed_mid_epoch_ends_all_ranks() -> None:
     code, output, ended = _run("kill", tempfile.mkdtemp())
     assert code != 0

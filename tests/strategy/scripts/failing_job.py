@@ -4,6 +4,8 @@ Usage: mpiexec -n 3 python failing_job.py MODE DIRECTORY
 
 MODE: raise (rank 1 raises in training_step), kill (rank 1 SIGKILLs itself), os_exit (rank 1 calls os._exit(3)),
 os_exit_0 (rank 1 calls os._exit(0)), sigterm_sanity (rank 1 sends itself SIGTERM in the sanity check's validation),
+sigterm_setup (rank 1 sends itself SIGTERM in the LightningModule's setup hook), sigterm_after_fit (after a short
+fit, rank 1 sends itself SIGTERM: the default action must end it),
 raise_outside (rank 1 raises after fit while the others wait in a barrier), raise_everywhere (every rank raises in
 training_step at the same batch, then fits again in the same process), signal_at_exit (after a short fit, each rank
 sends itself SIGUSR1 and SIGTERM from an exit hook that runs after mpistrategy's), usr1 (rank 1 sends itself SIGUSR1),
@@ -71,6 +73,11 @@ class Job(L.LightningModule):
             os.kill(os.getpid(), signal.SIGTERM)
         return self.net(batch[0]).pow(2).mean()
 
+    def setup(self, stage: str) -> None:
+        if MODE == "sigterm_setup" and RANK == 1:
+            mark("SIGNALLING")
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -96,7 +103,7 @@ data = TensorDataset(torch.randn(3 * 8 * 50, 4))
 trainer = L.Trainer(
     strategy="mpi_ad",
     accelerator="cpu",
-    max_steps={"resume": 30, "raise_outside": 5, "signal_at_exit": 5}.get(MODE, 100_000),
+    max_steps={"resume": 30, "raise_outside": 5, "signal_at_exit": 5, "sigterm_after_fit": 5}.get(MODE, 100_000),
     max_epochs=-1,
     logger=False,
     enable_progress_bar=False,
@@ -125,3 +132,8 @@ if MODE == "raise_outside":
         mark("FAILING")
         raise ValueError("outside the trainer on rank 1")
     MPI.COMM_WORLD.Barrier()
+if MODE == "sigterm_after_fit" and RANK == 1:
+    mark("SIGNALLING")
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    print(f"SURVIVED rank={RANK}", flush=True)
