@@ -86,23 +86,13 @@ def test_rank_calling_os_exit_0_while_training_ends_the_job_with_a_failing_code(
     assert "exited with code 1 through os._exit before the job finished (code 0 while training" in output
 
 
-def test_sigterm_in_the_sanity_check_stops_all_at_the_first_steps_with_a_checkpoint() -> None:
-    """A preemption during the sanity check (which every resumed run goes through) is a coordinated stop, not a
-    failure: every rank stops at the same step, after a checkpoint, with the stop's exit code."""
+@pytest.mark.parametrize("mode", ["sigterm_setup", "sigterm_sanity"])
+def test_sigterm_while_fit_prepares_stops_all_at_the_first_steps_with_a_checkpoint(mode: str) -> None:
+    """A preemption while ``fit`` sets up (the setup hook: before Lightning's own handlers) or in the sanity check
+    (which every resumed run goes through) is a coordinated stop, not a failure nor the signal's default action on
+    one rank: every rank stops at the same step, after a checkpoint, with the stop's exit code."""
     directory = tempfile.mkdtemp()
-    code, output, _ = _run("sigterm_sanity", directory)
-    assert code == STOPPED_EXIT_CODE, output[-4000:]
-    assert "SIGNALLING rank=1" in output and "raised an exception" not in output, output[-4000:]
-    steps = _stopped_steps(output)
-    assert sorted(steps) == list(range(RANKS)) and len(set(steps.values())) == 1 and steps[0] <= 2, output[-4000:]
-    assert torch.load(Path(directory) / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == steps[0]
-
-
-def test_sigterm_during_setup_stops_all_at_the_first_steps_with_a_checkpoint() -> None:
-    """A preemption while the job sets up (data, setup hooks, checkpoint loading: before Lightning's own handlers)
-    is a coordinated stop too, not the signal's default action on one rank."""
-    directory = tempfile.mkdtemp()
-    code, output, _ = _run("sigterm_setup", directory)
+    code, output, _ = _run(mode, directory)
     assert code == STOPPED_EXIT_CODE, output[-4000:]
     assert "SIGNALLING rank=1" in output and "raised an exception" not in output, output[-4000:]
     steps = _stopped_steps(output)
