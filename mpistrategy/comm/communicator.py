@@ -42,7 +42,7 @@ class Communicator:
         return found if found is not None else super().__new__(cls)
 
     def __init__(self, comm: MPI.Comm | Communicator) -> None:
-        if isinstance(comm, Communicator) or _wrapper_of(comm) is self:
+        if isinstance(comm, Communicator) or (isinstance(comm, MPI.Comm) and _wrapper_of(comm) is self):
             return  # already wrapped: __new__ gave the wrapper
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"expected an mpi4py intracommunicator (such as MPI.COMM_WORLD), got {comm!r}.")

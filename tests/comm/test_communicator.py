@@ -22,6 +22,9 @@ def test_a_communicator_is_wrapped_once_and_its_duplicate_anew() -> None:
         assert resolve(duplicate) is wrapper and resolve(wrapper) is wrapper
         assert resolve(MPI.COMM_WORLD) is ms.world() is not wrapper
         assert ms.Communicator(duplicate) is wrapper and ms.Communicator(wrapper) is wrapper  # not duplicated again
+        for wrong in ("world", None, MPI.COMM_NULL):
+            with pytest.raises(TypeError, match="expected an mpi4py intracommunicator"):
+                ms.Communicator(wrong)
         again = duplicate.Dup()
         try:
             assert resolve(again) is not wrapper
