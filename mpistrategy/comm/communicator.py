@@ -8,16 +8,16 @@ own traffic on the original communicator), whatever the tags and sizes.
 
 The wrapper is cached on the MPI communicator itself, as an MPI attribute (``MPI_Comm_set_attr``): MPI deletes it
 when the communicator is freed, so a communicator created later, which MPI may give the freed one's handle, is
-wrapped anew instead of running on the freed one's members. Deleting the attribute releases the wrapper's channels
-(the shared-memory groups built on them, then the three duplicates): a program that creates and frees
-communicators in a loop does not run out of MPI's context ids (MPICH has 2048 per process). The communicators
-mpistrategy duplicates for itself are freed by :meth:`Communicator.free` when their owner is done.
+wrapped anew instead of running on the freed one's members. The duplicates of a user's communicator stay allocated
+until the process ends (an op's backward pass, or a non-blocking op's ``wait()``, may still use them after the
+user freed it). The communicators mpistrategy duplicates for itself are freed, channels included, by
+:meth:`Communicator.free` when their owner is done with them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 from mpi4py import MPI
@@ -36,14 +36,9 @@ class Communicator:
     :func:`resolve` returns the same object for the same MPI communicator.
     """
 
-    def __new__(cls, comm: MPI.Comm | Communicator) -> Communicator:
-        """The wrapper ``comm`` already has, if any (so that a communicator is wrapped, and duplicated, once)."""
-        found = comm if isinstance(comm, Communicator) else _wrapper_of(comm) if isinstance(comm, MPI.Comm) else None
-        return found if found is not None else super().__new__(cls)
-
     def __init__(self, comm: MPI.Comm | Communicator) -> None:
-        if isinstance(comm, Communicator) or (isinstance(comm, MPI.Comm) and _wrapper_of(comm) is self):
-            return  # already wrapped: __new__ gave the wrapper
+        if isinstance(comm, Communicator):
+            comm = comm.comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"expected an mpi4py intracommunicator (such as MPI.COMM_WORLD), got {comm!r}.")
         self.comm: MPI.Intracomm = comm
@@ -65,15 +60,16 @@ class Communicator:
         return f"Communicator(rank={self.rank}, size={self.size})"
 
     def free(self) -> None:
-        """Free the wrapped communicator and with it the channels (collective): for a communicator made for this
-        wrapper (a duplicate), once its owner is done with it. A user's communicator is freed by its user."""
-        self.comm.Free()
-
-    def _release_channels(self) -> None:
+        """Free what mpistrategy made on this communicator (shared-memory groups, the channels), then the
+        communicator itself (collective): for one made for this wrapper (a duplicate), once its owner is done with
+        it and nothing on it is in flight. A user's communicator is never freed by mpistrategy. Idempotent."""
+        if self.comm == MPI.COMM_NULL:
+            return
         for release in _releases:
             release(self)
         for channel in (self.forward, self.backward, self.checks):
             channel.Free()
+        self.comm.Free()
 
 
 #: what holds resources on a communicator's channels: each is called with the wrapper before its channels are freed
@@ -81,19 +77,12 @@ _releases: list[Callable[[Communicator], None]] = []
 
 
 def on_release(release: Callable[[Communicator], None]) -> None:
-    """Call ``release(wrapper)`` (collective over its ranks) when a wrapped communicator is freed."""
+    """Call ``release(wrapper)`` (collective over its ranks) when :meth:`Communicator.free` frees a communicator."""
     _releases.append(release)
 
 
-def _deleted(comm: MPI.Comm, keyval: int, wrapper: Any) -> None:
-    """MPI's callback when ``comm`` loses its wrapper (it is being freed): release the wrapper's channels. The
-    world's and self's live until MPI ends."""
-    if isinstance(wrapper, Communicator) and comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
-        wrapper._release_channels()
-
-
 #: the attribute under which an MPI communicator holds its :class:`Communicator` (deleted with the communicator)
-_WRAPPER = MPI.Comm.Create_keyval(delete_fn=_deleted)
+_WRAPPER = MPI.Comm.Create_keyval()
 
 
 def _wrapper_of(comm: MPI.Comm) -> Communicator | None:

@@ -246,16 +246,6 @@ def _ignore_stop_signals() -> None:
             signal.signal(signum, signal.SIG_IGN)
 
 
-def _pass_on(handler: object, signum: int, frame: FrameType | None) -> None:
-    """Deliver signal ``signum`` to ``handler`` as if it were installed: call it, ignore the signal, or (the default
-    action, also for a handler set outside Python) take the default action."""
-    if callable(handler):
-        handler(signum, frame)
-    elif handler != signal.SIG_IGN:
-        signal.signal(signum, signal.SIG_DFL)
-        signal.raise_signal(signum)
-
-
 class StopSignals:
     """Records stop signals and turns them into one decision shared by all ranks.
 
@@ -269,7 +259,6 @@ class StopSignals:
         self.comm = comm
         self.received: int = 0
         self._previous: dict[int, object] = {}  # while installed: the handlers to give back
-        self._original: dict[int, object] = {}  # the handlers from before the first installation
         self._flag = np.zeros(1, dtype=np.int64)
         self._result = np.zeros(1, dtype=np.int64)
         self._request: MPI.Request | None = None
@@ -277,15 +266,13 @@ class StopSignals:
         self._channel = calls.register(world_ranks(comm))
 
     def install(self) -> None:
-        """Take over the signals (replacing the handlers Lightning installed since, which would stop one rank
-        alone); idempotent. :meth:`uninstall` gives back the handlers from before the first take-over."""
+        """Take over the signals (replacing the handlers Lightning installed, which would stop one rank alone);
+        idempotent. A signal received before stays recorded."""
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in self.signals:
-            if signal.getsignal(signum) != self._handle:
-                previous = signal.signal(signum, self._handle)
-                self._previous.setdefault(signum, previous)
-                self._original.setdefault(signum, previous)
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
         """Give the signals back to their previous handlers."""
@@ -295,10 +282,7 @@ class StopSignals:
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous = {}
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum not in self._previous:  # put back by another's restore (Lightning's, after fit): not ours now
-            _pass_on(self._original.get(signum, signal.SIG_DFL), signum, frame)
-            return
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signum
         flight.dump(signal.Signals(signum).name)
 

@@ -63,6 +63,8 @@ from mpistrategy.strategy.sharding.training import ShardedTraining
 
 log = logging.getLogger(__name__)
 
+_RESUME_END = "_CheckpointConnector.resume_end"  # Lightning's barrier before it installs its signal handlers
+
 CHECKPOINT_KEY = checkpoints.KEY
 
 
@@ -424,10 +426,15 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def setup_environment(self) -> None:
         """Before Lightning's setup: a stop signal from here on (data preparation, setup hooks, checkpoint loading)
-        is a coordinated stop at the first training steps, not the end of the rank it reached."""
+        is recorded, a coordinated stop at the first training steps, not the end of the rank it reached."""
         super().setup_environment()
         if self._fitting():
             self._install_stop_signals()
+
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        super().barrier(name, *args, **kwargs)
+        if name == _RESUME_END:  # Lightning installs its handlers next, keeping the ones it finds for after fit:
+            self._release_stop_signals()  # give the signals back (a received one stays recorded; retaken below)
 
     def on_train_start(self) -> None:
         self._attach_metric_sync()
