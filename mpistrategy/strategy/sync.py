@@ -27,8 +27,9 @@ from mpistrategy.comm.checks import check_rank, checked
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.strategy import failures
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
-from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer, unwrapped
 
+_CONSOLIDATION = "consolidated_optimizer_state"  # the call's name in its checks and errors
 _OP_NAMES = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -137,20 +138,19 @@ def optimizer_state_on(
 ) -> dict[str, Any] | None:
     """``optimizer``'s whole ``state_dict()`` on rank ``to``, ``None`` elsewhere; ``sharded``: its sharded form,
     whose pieces are gathered (:func:`~mpistrategy.strategy.sharding.checkpoint.consolidated_on`)."""
-    what = "consolidated_optimizer_state"
     with control_call(
-        checked_on, what, "to, sharded", _state_signature, optimizer, sharded is not None, to, checked_on
+        checked_on, _CONSOLIDATION, "to, sharded", _state_signature, optimizer, sharded is not None, to, checked_on
     ):
         return sharded_checkpoint.consolidated_on(optimizer, sharded, to, comm)
 
 
 def _state_signature(optimizer: Any, sharded: bool, to: int, comm: Communicator) -> tuple[tuple, None]:
-    if not isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.Optimizer):
+    if not isinstance(unwrapped(optimizer), torch.optim.Optimizer):
         raise TypeError(
-            f"consolidated_optimizer_state: expected a torch optimizer (or Lightning's wrapper of one), got "
+            f"{_CONSOLIDATION}: expected a torch optimizer (or Lightning's wrapper of one), got "
             f"{type(optimizer).__name__}; pass one of the optimizers the strategy set up."
         )
-    root_signature(to, comm, "consolidated_optimizer_state", "to")
+    root_signature(to, comm, _CONSOLIDATION, "to")
     return (to, sharded), None
 
 

@@ -28,7 +28,7 @@ from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError, verify
 from mpistrategy.strategy.resumable import ResumableLoader
 from mpistrategy.strategy.sharding import files
 from mpistrategy.strategy.sharding.group import ShardGroup
-from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer, unwrapped
 from mpistrategy.strategy.sharding.state import SavedPiece, assemble, whole_states
 
 #: the key of a manifest (and its value in a placeholder before the shards are written)
@@ -234,7 +234,7 @@ def consolidated_on(
     (``sharded``), it is gathered from the shard group that holds rank ``to``: only that group's ranks
     communicate (every shard group holds one copy of the state). Unsharded, rank ``to``'s own state."""
     if sharded is None:
-        return getattr(optimizer, "_optimizer", optimizer).state_dict() if control.Get_rank() == to else None
+        return unwrapped(optimizer).state_dict() if control.Get_rank() == to else None
     world_group, shard_group = control.Get_group(), sharded.comm.Get_group()
     try:
         (root,) = MPI.Group.Translate_ranks(world_group, [to], shard_group)

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from mpistrategy.strategy.sharding.optimizer import unwrapped
 from mpistrategy.strategy.sharding.training import ShardedTraining
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,7 @@ def route(sharding: ShardedTraining, plugin: Any, module: Any) -> Callable[[], N
         sharded = sharding.sharded(optimizer)
         if sharded is not None:
             return sharded.params
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return [p for group in optimizer.param_groups for p in group["params"]]
+        return [p for group in unwrapped(optimizer).param_groups for p in group["params"]]
 
     def toggle_optimizer(optimizer: Any) -> None:
         every = {p: p.requires_grad for opt in module.trainer.optimizers for p in stepped(opt)}
@@ -56,7 +56,7 @@ def route(sharding: ShardedTraining, plugin: Any, module: Any) -> Callable[[], N
         module._param_requires_grad_state = every
 
     def untoggle_optimizer(optimizer: Any) -> None:
-        toggled = getattr(optimizer, "_optimizer", optimizer)
+        toggled = unwrapped(optimizer)
         saved = module._param_requires_grad_state
         for opt in module.trainer.optimizers:
             if opt is not toggled:

@@ -36,6 +36,11 @@ from mpistrategy.strategy.sharding.layout import Piece
 PieceRef = tuple[FlatParameters, Piece]
 
 
+def unwrapped(optimizer: Any) -> Any:
+    """The optimizer a Lightning or Fabric wrapper holds (as ``_optimizer``), or ``optimizer`` itself."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
 class ShardedOptimizer:
     """``optimizer`` stepping this rank's shard of its parameters (see the module docstring).
 

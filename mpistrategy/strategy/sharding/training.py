@@ -31,7 +31,7 @@ from mpistrategy.comm.traffic import INTER_NODE, TrafficCounter, scope_of
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.sharding.gradients import GradientShards
 from mpistrategy.strategy.sharding.group import ShardGroup, shard_group
-from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer, check_shardable
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer, check_shardable, unwrapped
 
 
 class ModelParameters:
@@ -102,7 +102,7 @@ class ShardedTraining:
 
     def sharded(self, optimizer: Any) -> ShardedOptimizer | None:
         """The :class:`ShardedOptimizer` of ``optimizer`` (or of the optimizer a wrapper holds), if any."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrapped(optimizer)
         return next((s for s in self.optimizers if s.optimizer is optimizer), None)
 
     def attach_optimizer(
