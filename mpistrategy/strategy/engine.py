@@ -112,6 +112,14 @@ class DataParallelEngine:
             )
         context = SyncContext(module, self.topology, self.aggregator, self.traffic, self.node_transport, optimizers)
         self._agreed(lambda: self.sync.setup(context), "setting up the sync mode")
+        try:
+            self._build_parts(module, optimizers)
+        except BaseException:
+            self.teardown()  # the sync mode's communicators and shared memory, and what was built of the rest
+            raise
+
+    def _build_parts(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The sharding, the gradient reducer and the optimizers' hooks, on a set-up sync mode (collective)."""
         if self.shard is not None:
             per_node = self.sync.name == "hierarchical"
             self.sharding = ShardedTraining(

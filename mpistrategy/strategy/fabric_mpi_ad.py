@@ -64,6 +64,7 @@ from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
 from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
+from mpistrategy.strategy.sharding.training import ShardedTraining
 
 log = logging.getLogger(__name__)
 V = TypeVar("V")
@@ -109,6 +110,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         self._pending_states: list[tuple[nn.Module | None, dict[str, Any]]] = []
         self._routed: list[tuple[torch.optim.Optimizer, type]] = []  # optimizers given a routed class, their own
         self._own_channels: list[Topology] = []  # the gradient channels made for the second and later models
+        self._torn_down: list[ShardedTraining | None] = []  # by model, kept after teardown: a save still needs them
 
     @property
     def engines(self) -> list[DataParallelEngine]:
@@ -148,17 +150,22 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         if self.world_size == 1 or not self.data_parallel:
             return
         if not self._engines:
+            self._torn_down = []
             engine = self._build_engine(module, optimizers)
         else:
             own_channels = self.topology.with_own_gradient_channels()
+            try:
+                engine = self._build_engine(
+                    module,
+                    optimizers,
+                    copy.deepcopy(self._sync_template),
+                    copy.deepcopy(self._aggregator_template),
+                    own_channels,
+                )
+            except BaseException:
+                own_channels.free_gradient_channels()  # a refused model keeps no communicator
+                raise
             self._own_channels.append(own_channels)
-            engine = self._build_engine(
-                module,
-                optimizers,
-                copy.deepcopy(self._sync_template),
-                copy.deepcopy(self._aggregator_template),
-                own_channels,
-            )
         for optimizer in optimizers:
             engine.attach_optimizer(optimizer)
             self._route_zero_grad(optimizer)
@@ -287,11 +294,16 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         ``state_dict()`` is then the state of this rank's pieces)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             return None
-        for _, engine in self._engines:
-            sharded = engine.sharding.sharded(optimizer) if engine.sharding is not None else None
+        for sharding in self._shardings():
+            sharded = sharding.sharded(optimizer) if sharding is not None else None
             if sharded is not None:
                 return sharded
         return None
+
+    def _shardings(self) -> list[ShardedTraining | None]:
+        """Each model's sharding (``None``: unsharded), in the order the models were set up; after teardown, those
+        of the models torn down (their optimizers keep their pieces)."""
+        return [engine.sharding for _, engine in self._engines] if self._engines else self._torn_down
 
     def _save_optimizer_shards(self, state: dict[str, Any], checkpoint: Checkpoint, path: str) -> str | None:
         """Collective: each model's sharded optimizers in ``state`` write their shard files (part: the model's
@@ -299,11 +311,11 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         sharded to save)."""
         optimizers = [(name, obj) for name, obj in state.items() if isinstance(obj, torch.optim.Optimizer)]
         parts = []
-        for part, (_, engine) in enumerate(self._engines):
-            found = [(name, engine.sharding.sharded(obj)) for name, obj in optimizers] if engine.sharding else []
+        for part, sharding in enumerate(self._shardings()):
+            found = [(name, sharding.sharded(obj)) for name, obj in optimizers] if sharding is not None else []
             named = [(name, sharded) for name, sharded in found if sharded is not None]
             if named:
-                parts.append((part, engine.sharding, named))
+                parts.append((part, sharding, named))
         if not parts:
             return None
         control = self.topology.control
@@ -400,6 +412,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
     # ------------------------------------------------------------------------------------------ teardown
 
     def teardown(self) -> None:
+        self._torn_down = self._shardings()
         for _, engine in self._engines:
             engine.teardown()
         self._engines = []

@@ -91,6 +91,10 @@ def test_sharded_training_matches_single_process_whole_batch(shard: str, optimiz
         assert whole["param_groups"] == expected["param_groups"]
     else:
         assert whole is None
+    fabric.strategy.teardown()  # the optimizer keeps its pieces: gathered after teardown, the same state
+    again = fabric.strategy.consolidated_optimizer_state(opt, to=SIZE - 1)
+    if RANK == SIZE - 1:
+        torch.testing.assert_close(again, whole, rtol=0, atol=0)
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
@@ -127,6 +131,11 @@ def test_save_and_load_restore_the_sharded_state_exactly(shard: str) -> None:
 
     fabric.save(path, {"model": model, "optimizer": optimizer})  # the same name again: the older shards go
     assert len(os.listdir(path + ".shards")) == SIZE
+    saved = _state_on_rank_zero(path)
+    fabric.strategy.teardown()  # saved after teardown: the same whole state, still in shard files
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    assert len(os.listdir(path + ".shards")) == SIZE
+    torch.testing.assert_close(_state_on_rank_zero(path), saved, rtol=0, atol=0)
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)

@@ -146,6 +146,11 @@ def test_two_models_in_one_backward_match_single_process() -> None:
     for model in (Generator(), _critic()):
         again.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert len(again.strategy.engines) == 2
+    refused = nn.Embedding(4, 2, sparse=True)  # a third model, refused on every rank, keeps no channel
+    before_refusal = free_context_ids()
+    with pytest.raises(ValueError, match="would get sparse"):
+        again.setup(refused, torch.optim.SGD(refused.parameters(), lr=0.1))
+    assert free_context_ids() == before_refusal
     again.strategy.teardown()
     assert free_context_ids() == free
 

@@ -13,6 +13,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from mpistrategy.aggregation import TopK
 from mpistrategy.comm.shm import shared_memory
 from mpistrategy.comm.topology import topology
 from mpistrategy.comm.traffic import TrafficCounter
@@ -187,3 +188,20 @@ def test_a_fit_frees_the_communicators_of_its_mode_and_a_checkpoint_saves_after_
     path = f"{shared_tmpdir()}/after-fit.ckpt"
     fit.save_checkpoint(path)
     assert torch.load(path, weights_only=False)["mpistrategy"]["sync"]["name"] == mode
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_a_fit_refused_after_the_mode_is_set_up_frees_its_communicators() -> None:
+    """A sweep point every rank refuses once the sync mode holds its communicators (here the warm-up's
+    compression, given a density that differs by rank) must free them: three refused fits leave as many free
+    context ids as one."""
+    data = regression_data(SIZE * PER_RANK_BATCH * 2, seed=7)
+    free = []
+    for _ in range(3):
+        strategy = MPIADStrategy(
+            sync=LocalSGD(period=3, warmup_steps=3), aggregator=TopK(density=0.1 * (RANK + 1)), ranks_per_node=2
+        )
+        with pytest.raises(ValueError, match="different options"):
+            trainer(strategy=strategy, max_epochs=1).fit(TwoGroups(), loader(data, PER_RANK_BATCH))
+        free.append(free_context_ids())
+    assert free[1] == free[0] and free[2] == free[0], f"free context ids after each refused fit: {free}"

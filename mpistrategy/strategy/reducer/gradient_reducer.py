@@ -41,6 +41,7 @@ Limitations: sparse gradients are not supported; ``create_graph=True`` (double b
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -128,7 +129,13 @@ class GradientReducer:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._requires_grad: tuple[bool, ...] = ()  # by slot, when the last pass began
         self._active: list[int] = []  # per bucket: its parameters that require a gradient
-        self._build()
+        try:
+            self._build()
+        except BaseException as error:
+            if self._memory is not None:  # every rank fails the build together (its checks are agreed on)
+                traceback.clear_frames(error.__traceback__)  # their locals view the shared segment
+                self.remove()
+            raise
 
     @property
     def memory(self) -> BucketMemory:
