@@ -4,11 +4,14 @@
 default, a non-blocking in-place average over all ranks. The compressing schemes send less: half precision
 (:class:`LowPrecision`), sparsification (:class:`TopK`, :class:`RandomK`), quantisation (:class:`QSGD`,
 :class:`MinMaxQuantization`), signs (:class:`ScaledSign`, :class:`MajorityVote`) and low rank (:class:`PowerSGD`);
-:func:`build_aggregator` builds any of them by name (see :mod:`mpistrategy.aggregation.registry`).
+:func:`build_aggregator` builds any of them by name (see :mod:`mpistrategy.aggregation.registry`). A scheme of
+your own subclasses :class:`Aggregator`, :class:`CompressingAggregator` or, for messages that are gathered rather
+than summed, :class:`GatheredCompressor`.
 """
 
 from mpistrategy.aggregation.base import AggregationContext, Aggregator, GradBucket, Work
 from mpistrategy.aggregation.compression import CompressingAggregator
+from mpistrategy.aggregation.gathered import GatheredCompressor
 from mpistrategy.aggregation.low_precision import LowPrecision
 from mpistrategy.aggregation.majority_vote import MajorityVote
 from mpistrategy.aggregation.mean import MeanAggregator
@@ -26,6 +29,7 @@ __all__ = [
     "AggregationContext",
     "Aggregator",
     "CompressingAggregator",
+    "GatheredCompressor",
     "GradBucket",
     "LowPrecision",
     "MajorityVote",
