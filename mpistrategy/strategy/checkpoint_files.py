@@ -39,6 +39,16 @@ _LOCAL_HEADER = b"PK\x03\x04"
 _CHUNK = 1 << 22
 
 
+def is_remote(path: str) -> bool:
+    """Whether ``path`` is an fsspec URL of a remote file system (``s3://``, ``gs://``; not ``file://``)."""
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    """``path`` as the local file system names it (a ``file://`` URL without its scheme)."""
+    return path.removeprefix("file://")
+
+
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint file that is damaged, incomplete or unreadable (the message names it and what to use instead)."""
 

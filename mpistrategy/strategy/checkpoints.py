@@ -62,10 +62,10 @@ def write(checkpoint: Checkpoint, filepath: Any, save: Callable[[Checkpoint, Any
     """Rank 0: ``save(checkpoint, path)`` (the checkpoint IO) to a temporary file, sealed and renamed to
     ``filepath``; straight to ``filepath`` when it is remote or ``asynchronous``."""
     path = os.fspath(filepath)
-    if _is_remote(path) or asynchronous:
+    if checkpoint_files.is_remote(path) or asynchronous:
         save(checkpoint, filepath)
         return
-    checkpoint_files.write_atomically(_local(path), lambda temporary: save(checkpoint, temporary))
+    checkpoint_files.write_atomically(checkpoint_files.local_path(path), lambda temporary: save(checkpoint, temporary))
 
 
 def write_on_rank_zero(
@@ -94,7 +94,7 @@ def write_on_rank_zero(
 def read(checkpoint_path: Any, load: Callable[[Any], Checkpoint], comm: MPI.Intracomm) -> Checkpoint:
     """Collective: the checkpoint, verified and loaded on every rank (see the module doc)."""
     path = os.fspath(checkpoint_path)
-    visible = _is_remote(path) or os.path.exists(_local(path))
+    visible = checkpoint_files.is_remote(path) or os.path.exists(checkpoint_files.local_path(path))
     views = [(_identity(path), visible)] if comm.Get_size() == 1 else comm.allgather((_identity(path), visible))
     _raise_if_paths_differ([identity for identity, _ in views])
     seeing = [rank for rank, (_, sees) in enumerate(views) if sees]
@@ -134,8 +134,8 @@ def _raise_if_paths_differ(identities: list[str]) -> None:
 def _verify_and_load(
     path: str, load: Callable[[Any], Checkpoint]
 ) -> tuple[Checkpoint | None, Failure | None, Exception | None]:
-    if not _is_remote(path):
-        problem = checkpoint_files.find_problem(_local(path))
+    if not checkpoint_files.is_remote(path):
+        problem = checkpoint_files.find_problem(checkpoint_files.local_path(path))
         if problem is not None:
             return None, ("corrupt", problem), None
     try:
@@ -175,7 +175,9 @@ def _raise_if_any_failed(
 
 def _older_sound_checkpoint(path: str, finder: int, comm: MPI.Intracomm) -> str | None:
     """Collective: rank ``finder`` looks for an older sound checkpoint next to ``path``; every rank gets its answer."""
-    found = checkpoint_files.older_sound_checkpoint(_local(path)) if comm.Get_rank() == finder else None
+    found = None
+    if comm.Get_rank() == finder:
+        found = checkpoint_files.older_sound_checkpoint(checkpoint_files.local_path(path))
     return found if comm.Get_size() == 1 else comm.bcast(found, root=finder)
 
 
@@ -204,14 +206,6 @@ def saved_at_epoch_end(checkpoint: Checkpoint) -> bool:
     return bool(loops.get("epoch_loop.batch_progress", {}).get("is_last_batch", False))
 
 
-def _is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def _local(path: str) -> str:
-    return path.removeprefix("file://")
-
-
 def _identity(path: str) -> str:
     """What the ranks compare: a local path made absolute (each rank's own working folder), a remote one as given."""
-    return path if _is_remote(path) else os.path.abspath(_local(path))
+    return path if checkpoint_files.is_remote(path) else os.path.abspath(checkpoint_files.local_path(path))

@@ -249,6 +249,13 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
             return sharded.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
 
+    def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
+        """Fabric's clipping by value; a sharded optimizer's pieces first take the parameters' current ``.grad``
+        (none on this rank: nothing to clip)."""
+        sharded = self._sharded_optimizer(optimizer)
+        if sharded is None or sharded.gradients():
+            super().clip_gradients_value(module, optimizer, clip_val)
+
     def begin_epoch(self, epoch: int, steps: int | None = None, total_epochs: int | None = None) -> None:
         """Before epoch ``epoch`` (0-based) of ``steps`` optimizer steps, of ``total_epochs``: for sync modes with an
         epoch schedule (DASO); every rank calls it."""
@@ -286,7 +293,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         token = self._save_optimizer_shards(state, checkpoint, os.fspath(path))
         save = functools.partial(self.checkpoint_io.save_checkpoint, storage_options=storage_options)
         checkpoints.write_on_rank_zero(checkpoint, path, save, self.topology.control)
-        if token is not None and self.is_global_zero:
+        if self.is_global_zero:
             sharded_checkpoint.committed(os.fspath(path), token)
 
     def _sharded_optimizer(self, optimizer: Any) -> ShardedOptimizer | None:

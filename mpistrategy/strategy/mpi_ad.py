@@ -49,7 +49,7 @@ except ImportError:  # the core install has no Lightning
 from torch import Tensor
 
 from mpistrategy.comm import watchdog
-from mpistrategy.strategy import checkpoints, failures, passes, random_state
+from mpistrategy.strategy import checkpoint_files, checkpoints, failures, passes, random_state
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.framework import LIGHTNING, framework
@@ -313,8 +313,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
             return
         save = functools.partial(self.checkpoint_io.save_checkpoint, storage_options=storage_options)
         checkpoints.write(checkpoint, filepath, save, isinstance(self.checkpoint_io, self._fw.AsyncCheckpointIO))
-        if token is not None:
-            sharded_checkpoint.committed(os.fspath(filepath), token)
+        sharded_checkpoint.committed(os.fspath(filepath), token)
 
     def _save_optimizer_shards(self, checkpoint: dict[str, Any], filepath: Any) -> str | None:
         """Collective: write the sharded optimizers' shard files and put their manifests into ``checkpoint`` (on
@@ -345,7 +344,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0 removes the checkpoint file and, unless ``filepath`` is a link, its shard files."""
-        path = os.fspath(filepath)
+        path = checkpoint_files.local_path(os.fspath(filepath))
         owns_shards = self.is_global_zero and not os.path.islink(path)
         super().remove_checkpoint(filepath)  # type: ignore[misc]
         if owns_shards:
@@ -358,7 +357,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         different ranks ``ValueError``, on every rank (:func:`~mpistrategy.strategy.checkpoints.read`)."""
         load = functools.partial(self.checkpoint_io.load_checkpoint, weights_only=weights_only)
         checkpoint = checkpoints.read(checkpoint_path, load, self.topology.control)
-        self._checkpoint_path = os.fspath(checkpoint_path).removeprefix("file://")
+        self._checkpoint_path = checkpoint_files.local_path(os.fspath(checkpoint_path))
         if not self._fitting():  # validate, test, predict: the weights only (no sync state, replicas, random state)
             return checkpoint
         state = checkpoint.get(CHECKPOINT_KEY)

@@ -215,3 +215,53 @@ def test_a_large_bucket_inside_one_shard_is_reduce_scattered() -> None:
         reference, data, SIZE * PER_RANK, 2, torch.optim.AdamW(reference.parameters(), lr=0.01), clip=CLIP
     )
     torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=1e-10, atol=1e-10)
+
+
+def _replace_gradients(net: nn.Module, step: int) -> None:
+    """As torch code does between backward and step: the first layer skipped every other step, the last layer's
+    gradient halved into a new tensor."""
+    if step % 2 == 0:
+        net[0].weight.grad = None
+    net[-1].weight.grad = net[-1].weight.grad * 0.5
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_stage_one_steps_the_gradients_the_user_put_in_place_of_backwards(clip: str) -> None:
+    """Under ``shard="optimizer"`` the pieces view the parameters' gradients: a ``.grad`` replaced after backward is
+    the one clipped and stepped, as in one process. The learning-rate schedule is made after ``fabric.setup`` (it
+    wraps the optimizer's ``step``, which the sharding wrapped first)."""
+    data = regression_data(SIZE * PER_RANK * 4, seed=3)
+    fabric = launched(MPIADFabricStrategy(shard="optimizer"))
+    net = mlp(seed=2)
+    raw = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
+    model, optimizer = fabric.setup(net, raw)
+    schedule = torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.5)
+    for step, (x, y) in enumerate(rank_batches(fabric, data, PER_RANK)):
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        _replace_gradients(net, step)
+        if clip == "norm":
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        else:
+            fabric.clip_gradients(model, optimizer, clip_val=CLIP)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+
+    reference = mlp(seed=2)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    ref_schedule = torch.optim.lr_scheduler.StepLR(ref_optimizer, step_size=1, gamma=0.5)
+    x, y = data.tensors
+    for step in range(4):
+        ref_optimizer.zero_grad()
+        block = slice(step * SIZE * PER_RANK, (step + 1) * SIZE * PER_RANK)
+        nn.functional.mse_loss(reference(x[block]), y[block]).backward()
+        _replace_gradients(reference, step)
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        else:
+            torch.nn.utils.clip_grad_value_(reference.parameters(), CLIP)
+        ref_optimizer.step()
+        ref_schedule.step()
+    assert not torch.equal(flat_parameters(reference), flat_parameters(mlp(seed=2))), "the reference did not train"
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=0, atol=1e-12)

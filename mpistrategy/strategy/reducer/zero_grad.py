@@ -1,11 +1,13 @@
 """An optimizer's ``zero_grad`` that zeroes the flat gradient buckets in place instead of dropping the gradients.
 
 The ``.grad`` then stay views into the buckets from step to step, and backward accumulates into them in place: no
-copy into the buckets, and no fresh gradient allocation per step. Gradients outside the flat buckets (own-gradient
-buckets, large gradients their hook copies into a bucket, parameters outside the buckets) keep the optimizer's own
-behaviour. ``set_to_none`` is honoured all the same where it is observable: the zeroed gradients are marked as
-stand-ins (:class:`~mpistrategy.strategy.reducer.usage.GradientFlags`), and a parameter that no rank gives a
-gradient before the reducer's next ``wait`` ends it with ``.grad`` ``None``, as in one process.
+copy into the buckets, and no fresh gradient allocation per step. A ``.grad`` the user replaced by another tensor
+is pointed at its zeroed view again (one set to ``None`` stays ``None``, as torch's ``zero_grad`` leaves it).
+Gradients outside the flat buckets (own-gradient buckets, large gradients their hook copies into a bucket,
+parameters outside the buckets) keep the optimizer's own behaviour. ``set_to_none`` is honoured all the same where
+it is observable: the zeroed gradients are marked as stand-ins
+(:class:`~mpistrategy.strategy.reducer.usage.GradientFlags`), and a parameter that no rank gives a gradient before
+the reducer's next ``wait`` ends it with ``.grad`` ``None``, as in one process.
 """
 
 from __future__ import annotations
@@ -30,24 +32,27 @@ class ZeroPlan:
         views: the optimizer's gradient views in flat buckets it shares with other parameters (zeroed).
         others: the optimizer's other parameters (reset as the optimizer would: ``None`` or zero).
         slots: the slots of the optimizer's bucketed parameters.
+        bound: the optimizer's parameters whose ``.grad`` is a view of a zeroed bucket, each with its view.
     """
 
     buffers: list[torch.Tensor]
     views: list[torch.Tensor]
     others: list[nn.Parameter]
     slots: np.ndarray
+    bound: list[tuple[nn.Parameter, torch.Tensor]]
 
 
 def plan_zeroing(optimizer: torch.optim.Optimizer, memory: BucketMemory) -> ZeroPlan:
     """The :class:`ZeroPlan` of ``optimizer`` over the buckets of ``memory``."""
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    buffers, views, in_place = [], [], set()
+    buffers, views, in_place, bound = [], [], set(), []
     for spec, bucket in zip(memory.layout.buckets, memory.buckets, strict=True):
         if spec.own_gradient:  # the optimizer's rule applies to the gradient it is
             continue
         accumulated = bucket.params[: len(spec.accumulated)]
         mine = [id(p) in owned for p in accumulated]
         in_place |= {id(p) for p in accumulated}
+        bound += [(p, view) for p, view, m in zip(accumulated, bucket.views, mine, strict=False) if m]
         if all(mine):
             if accumulated:
                 buffers.append(bucket.buffer[: spec.accumulated_numel])
@@ -57,7 +62,7 @@ def plan_zeroing(optimizer: torch.optim.Optimizer, memory: BucketMemory) -> Zero
     slots = [place.slot for spec in memory.layout.buckets for place in spec.places]
     params = [p for bucket in memory.buckets for p in bucket.params]
     mine_slots = [slot for slot, p in zip(slots, params, strict=True) if id(p) in owned]
-    return ZeroPlan(buffers, views, others, np.array(mine_slots, dtype=np.intp))
+    return ZeroPlan(buffers, views, others, np.array(mine_slots, dtype=np.intp), bound)
 
 
 class ZeroGradHook:
@@ -108,6 +113,9 @@ class ZeroGradHook:
         flags.local_view[plan.slots] = 0
         for tensor in (*plan.buffers, *plan.views):
             tensor.zero_()
+        for param, view in plan.bound:  # a .grad the user replaced after backward: backward accumulates into the view
+            if param.grad is not None and param.grad is not view:
+                param.grad = view
         for param in plan.others:
             if param.grad is not None:
                 _reset(param, set_to_none)

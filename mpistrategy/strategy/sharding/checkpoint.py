@@ -103,9 +103,13 @@ def _manifest(
     return {KEY: layout, "param_groups": sharded.param_groups(), "shapes": [list(shape) for shape in sharded.shapes]}
 
 
-def committed(path: str, token: str) -> None:
-    """After the checkpoint file at ``path`` is written: remove the shard files of earlier saves of that name."""
-    files.remove_other_saves(files.directory_of(path), token)
+def committed(path: str, token: str | None) -> None:
+    """After the checkpoint file at ``path`` is written: remove the shard files of earlier saves of that name (all of
+    them for a save without sharded state, ``token`` ``None``: a weights-only save, an unsharded run's)."""
+    if token is None:
+        files.remove(path)
+    else:
+        files.remove_other_saves(files.directory_of(path), token)
 
 
 # ---------------------------------------------------------------------------------------------------- loading

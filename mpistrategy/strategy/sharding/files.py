@@ -24,9 +24,16 @@ SUFFIX = ".shards"
 
 
 def directory_of(checkpoint_path: str) -> str:
-    """The folder of the shard files of the checkpoint at ``checkpoint_path`` (beside it, through links)."""
-    real = os.path.realpath(checkpoint_path)
-    return real + SUFFIX
+    """The folder of the shard files of the checkpoint at ``checkpoint_path`` (beside it, through links; a
+    ``file://`` URL names a local path). Shard files are written by many ranks with local file operations: a remote
+    URL raises a ``ValueError`` naming the alternatives (the same on every rank, which all save to one path)."""
+    if checkpoint_files.is_remote(checkpoint_path):
+        raise ValueError(
+            f"shard= writes each rank's optimizer shard to files beside the checkpoint, on a file system every rank "
+            f"mounts, but {checkpoint_path!r} is a remote URL; save sharded checkpoints to a shared path and copy "
+            "the checkpoint with its .shards folder, or train without shard= for remote checkpoints."
+        )
+    return os.path.realpath(checkpoint_files.local_path(checkpoint_path)) + SUFFIX
 
 
 def file_name(token: str, part: int, shard: int, shards: int) -> str:
@@ -61,4 +68,5 @@ def remove_other_saves(directory: str, token: str) -> None:
 
 def remove(checkpoint_path: str) -> None:
     """Remove the shard folder of the checkpoint at ``checkpoint_path``, if it has one."""
-    shutil.rmtree(directory_of(checkpoint_path), ignore_errors=True)
+    if not checkpoint_files.is_remote(checkpoint_path):
+        shutil.rmtree(directory_of(checkpoint_path), ignore_errors=True)

@@ -4,12 +4,14 @@ A sharded optimizer's parameter groups list the pieces of this rank's shard (see
 :mod:`~mpistrategy.strategy.sharding.optimizer`), so Lightning code that walks them would act on the pieces:
 
 - the precision plugin's clipping by norm would see this rank's shard only: it clips by the norm of the whole
-  gradient (:meth:`~mpistrategy.strategy.sharding.optimizer.ShardedOptimizer.clip_grad_norm_`) instead;
+  gradient (:meth:`~mpistrategy.strategy.sharding.optimizer.ShardedOptimizer.clip_grad_norm_`) instead; clipping
+  by value first points the pieces at the parameters' current ``.grad`` (a hook may have replaced one), and clips
+  nothing on a rank whose pieces hold no gradient;
 - ``LightningModule.toggle_optimizer`` / ``untoggle_optimizer`` (manual optimization with several optimizers, as in
   a GAN) would set ``requires_grad`` on the pieces and freeze nothing: they act on the model's parameters each
   optimizer steps instead, exactly as Lightning's own do on an optimizer that is not sharded.
 
-:func:`route` installs both (instance attributes over the classes' methods); the callable it returns removes them.
+:func:`route` installs them (instance attributes over the classes' methods); the callable it returns removes them.
 Under ``shard="gradients"`` the parameters hold no ``.grad`` after backward (the gradients live in the shards), so
 an override of ``configure_gradient_clipping`` that clips ``.grad`` itself would clip nothing: it is warned of.
 """
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 def route(sharding: ShardedTraining, plugin: Any, module: Any) -> Callable[[], None]:
     """Route ``plugin``'s clipping by norm and ``module``'s optimizer toggles through ``sharding``; returns the
     undo."""
-    own_clip = plugin.clip_grad_by_norm
+    own_clip, own_clip_by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value
 
     def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
         sharded = sharding.sharded(optimizer)
@@ -39,6 +41,11 @@ def route(sharding: ShardedTraining, plugin: Any, module: Any) -> Callable[[], N
             own_clip(optimizer, clip_val)
         else:
             sharded.clip_grad_norm_(clip_val)
+
+    def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
+        sharded = sharding.sharded(optimizer)
+        if sharded is None or sharded.gradients():  # torch refuses to clip an empty list: a rank's pieces may have none
+            own_clip_by_value(optimizer, clip_val)
 
     def stepped(optimizer: Any) -> list[nn.Parameter]:
         """The model's parameters ``optimizer`` steps (a wrapper's optimizer's)."""
@@ -73,11 +80,13 @@ def route(sharding: ShardedTraining, plugin: Any, module: Any) -> Callable[[], N
             type(module).__name__,
         )
     plugin.clip_grad_by_norm = clip_grad_by_norm
+    plugin.clip_grad_by_value = clip_grad_by_value
     module.toggle_optimizer = toggle_optimizer
     module.untoggle_optimizer = untoggle_optimizer
 
     def undo() -> None:
         vars(plugin).pop("clip_grad_by_norm", None)
+        vars(plugin).pop("clip_grad_by_value", None)
         vars(module).pop("toggle_optimizer", None)
         vars(module).pop("untoggle_optimizer", None)
 

@@ -21,6 +21,7 @@ for ``p = inf``). Clipping by value is elementwise and needs nothing.
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,6 +64,8 @@ class ShardedOptimizer:
         self._refs: dict[int, PieceRef] = {}
         self._group_ranges: list[tuple[int, int]] = []
         self.overflow_anywhere = False  # whether some rank's gradient was not finite at the last check
+        self._following: Callable[..., Any] | None = None  # the step wrapper of follow_parameter_gradients
+        self._own_step: Callable[..., Any] | None = None  # an instance's own step it replaced (a scheduler's wrapper)
         self._shard_groups()
         if existing is not None:
             self.load_plain(existing)
@@ -102,7 +105,42 @@ class ShardedOptimizer:
             grad = space.params[piece.index].grad
             tensor.grad = None if grad is None else grad.reshape(-1)[piece.start : piece.stop]
 
+    def follow_parameter_gradients(self) -> None:
+        """Under ``shard="optimizer"``: take the parameters' ``.grad`` again before each step and each norm, so that
+        a ``.grad`` the user replaces after backward (``p.grad = None`` to skip a layer, ``p.grad = p.grad * mask``)
+        is the one stepped, as by the unsharded optimizer. ``optimizer.step`` is wrapped: a closure's backward comes
+        first. :meth:`stop_following` undoes it."""
+        optimizer, own_step = self.optimizer, self.optimizer.step
+
+        def step(_optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            if closure is None:
+                self.use_parameter_gradients()
+                return own_step()
+
+            def closure_then_gradients() -> Any:
+                loss = closure()
+                self.use_parameter_gradients()
+                return loss
+
+            return own_step(closure_then_gradients)
+
+        self._own_step = own_step if "step" in vars(optimizer) else None
+        # a bound method, as torch's learning-rate schedulers expect of optimizer.step when they wrap it
+        self._following = optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+    def stop_following(self) -> None:
+        """Give the optimizer its own ``step`` back (if nothing wrapped it since)."""
+        following, self._following = self._following, None
+        if following is not None and vars(self.optimizer).get("step") is following:
+            if self._own_step is None:
+                del self.optimizer.step
+            else:
+                self.optimizer.step = self._own_step  # type: ignore[method-assign]
+
     def gradients(self) -> list[torch.Tensor]:
+        """The pieces' gradients (taken from the parameters' current ``.grad`` again under ``shard="optimizer"``)."""
+        if self._following is not None:
+            self.use_parameter_gradients()
         return [t.grad for t in self.pieces if t.grad is not None]
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

@@ -98,6 +98,8 @@ class ShardedTraining:
         self._stepped.update(id(p) for p in sharded.params)
         if self.gradients is not None:
             self.gradients.add(sharded)
+        else:
+            sharded.follow_parameter_gradients()
         return sharded
 
     def sharded(self, optimizer: Any) -> ShardedOptimizer | None:
@@ -181,6 +183,7 @@ class ShardedTraining:
         if self.gradients is not None:
             self.gradients.remove()
         for sharded in self.optimizers:
+            sharded.stop_following()
             for piece in sharded.pieces:
                 piece.grad = None
             for space in sharded.spaces:

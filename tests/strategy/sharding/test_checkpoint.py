@@ -143,3 +143,30 @@ def test_consolidate_refuses_to_write_over_its_checkpoint_and_names_a_missing_on
     assert consolidate_main([missing, "out.ckpt"]) == 1
     assert capsys.readouterr().err == f"mpistrategy-consolidate: Checkpoint file not found: {missing}\n"
     assert not (tmp_path / "out.ckpt").exists()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=240)
+def test_a_file_url_keeps_the_shards_beside_the_checkpoint_and_a_remote_one_is_refused() -> None:
+    """``file:///...`` names the local path, as for the checkpoint file (the shards went to a ``./file:`` folder
+    under the working directory before); shard files cannot go to a remote file system: every rank says so. A
+    weights-only save over a sharded one leaves no shard folder behind."""
+    directory = shared_tmpdir()
+    fit = trainer(strategy=MPIADStrategy(shard="optimizer"), max_epochs=1)
+    fit.fit(DeepNet(), loader(data(2, 1), BATCH))
+    path = os.path.join(directory, "sub", "x.ckpt")
+    fit.save_checkpoint("file://" + path)
+    assert sorted(os.listdir(os.path.join(directory, "sub"))) == ["x.ckpt", "x.ckpt.shards"]
+    assert len(os.listdir(path + ".shards")) == COMM.Get_size() and not os.path.exists("file:")
+    runs = []
+    for given in ("file://" + path, path):
+        resumed = DeepNet()
+        trainer(strategy=MPIADStrategy(shard="optimizer"), max_epochs=2).fit(
+            resumed, loader(data(2, 1), BATCH), ckpt_path=given
+        )
+        runs.append(torch.cat([p.detach().reshape(-1) for p in resumed.parameters()]))
+    assert torch.equal(runs[0], runs[1])
+    with pytest.raises(ValueError, match=r"'s3://bucket/x.ckpt' is a remote URL"):
+        fit.save_checkpoint("s3://bucket/x.ckpt")
+    fit.save_checkpoint(path, weights_only=True)  # over the sharded save: its shard files go with it
+    COMM.Barrier()
+    assert sorted(os.listdir(os.path.join(directory, "sub"))) == ["x.ckpt"]

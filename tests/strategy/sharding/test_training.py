@@ -269,3 +269,64 @@ def test_manual_optimization_with_toggled_optimizers_equals_one_process(shard: s
         generator_optimizer.step()
     for got, want in ((model.generator, generator), (model.critic, critic)):
         torch.testing.assert_close(parameter_vector(got), parameter_vector(want), rtol=0, atol=1e-10)
+
+
+class _ReplacedGradients(L.LightningModule):
+    """AdamW under a step-wise learning-rate schedule, whose ``on_before_optimizer_step`` replaces ``.grad`` as
+    torch code does: the first layer skipped every other step (``None``), the last layer's gradient halved into a
+    new tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 2)).double()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.global_step % 2 == 0:
+            self.net[0].weight.grad = None
+        self.net[2].weight.grad = self.net[2].weight.grad * 0.5
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
+
+
+def _replaced_gradients_in_one_process(dataset: TensorDataset, steps: int, clip: str) -> torch.Tensor:
+    """:class:`_ReplacedGradients` trained by hand in one process on the whole batch of every step."""
+    model = _ReplacedGradients()
+    (optimizer,), _ = model.configure_optimizers()
+    ordered = epoch_order(dataset)
+    for step in range(steps):
+        x, y = (t[step * SIZE * 4 : (step + 1) * SIZE * 4] for t in ordered.tensors)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model.net(x), y).backward()
+        if step % 2 == 0:
+            model.net[0].weight.grad = None
+        model.net[2].weight.grad = model.net[2].weight.grad * 0.5
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        else:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.05)
+        optimizer.step()
+    return parameter_vector(model.net)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=240)
+@pytest.mark.parametrize("shard", [None, "optimizer"])
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_the_step_uses_the_gradients_a_hook_put_in_place_of_backwards(clip: str, shard: str | None) -> None:
+    """The step, and clipping after the hook, use the ``.grad`` the parameters hold then (as torch's optimizers
+    do), not the one backward produced: also under ``shard="optimizer"``, whose pieces view the gradients."""
+    torch.manual_seed(1)
+    dataset = TensorDataset(torch.randn(SIZE * 24, 6, dtype=torch.float64), torch.randn(SIZE * 24, 2).double())
+    model = _ReplacedGradients()
+    trainer(strategy=MPIADStrategy(shard=shard), max_steps=6, gradient_clip_val=0.05, gradient_clip_algorithm=clip).fit(
+        model, loader(dataset, 4)
+    )
+    want = _replaced_gradients_in_one_process(dataset, 6, clip)
+    assert not torch.equal(want, parameter_vector(_ReplacedGradients().net)), "training did not move"
+    torch.testing.assert_close(parameter_vector(model.net), want, rtol=0, atol=1e-12)
