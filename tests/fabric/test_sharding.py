@@ -265,3 +265,37 @@ def test_stage_one_steps_the_gradients_the_user_put_in_place_of_backwards(clip: 
         ref_schedule.step()
     assert not torch.equal(flat_parameters(reference), flat_parameters(mlp(seed=2))), "the reference did not train"
     torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=0, atol=1e-12)
+
+
+def _hook_gradients(net: nn.Module) -> None:
+    """Hooks that edit gradients as they are accumulated (the first layer's replaced, the last's scaled in place)."""
+
+    def replace(param: torch.Tensor) -> None:
+        param.grad = param.grad * 2
+
+    def scale(param: torch.Tensor) -> None:
+        param.grad.mul_(0.5)
+
+    net[0].weight.register_post_accumulate_grad_hook(replace)
+    net[-1].weight.register_post_accumulate_grad_hook(scale)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+@pytest.mark.parametrize("shard", [None, *MODES])
+def test_gradient_hooks_registered_after_setup_run_before_the_average(shard: str | None) -> None:
+    """Hooks of the user's added after ``fabric.setup`` edit each gradient before its bucket (one per parameter,
+    each started during backward) is averaged: training equals one process with the same hooks."""
+    data = regression_data(SIZE * PER_RANK * STEPS, seed=4)
+    fabric = launched(MPIADFabricStrategy(shard=shard, bucket_cap_mb=1e-4, own_bucket_mb=1e-4))
+    net = mlp(seed=3)
+    model, optimizer = fabric.setup(net, OPTIMIZERS["sgd-momentum"](net.parameters()))
+    _hook_gradients(net)
+    for x, y in rank_batches(fabric, data, PER_RANK):
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    reference = mlp(seed=3)
+    _hook_gradients(reference)
+    reference_training(reference, data, SIZE * PER_RANK, STEPS, OPTIMIZERS["sgd-momentum"](reference.parameters()))
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=0, atol=1e-12)

@@ -60,6 +60,7 @@ from mpistrategy.comm.shm import buffer_ranks, build_group, release
 from mpistrategy.comm.shm_window import room_for
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
+from mpistrategy.strategy.reducer.hooks import GradientHooks
 from mpistrategy.strategy.reducer.launch import InOrderStarts
 from mpistrategy.strategy.reducer.layout import MB, BucketLayout, LayoutPolicy, ParameterSpec, plan_layout
 from mpistrategy.strategy.reducer.memory import BucketMemory, place_gradient
@@ -126,7 +127,7 @@ class GradientReducer:
         self._peers: PeerSums | None = None  # CUDA buckets averaged on the GPU the ranks share
         self._aggregator: Aggregator | None = None  # the current (or last) pass's
         self._bucket_slots: list[np.ndarray] = []  # per bucket: its parameters' slots, for numpy indexing
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooks = GradientHooks()
         self._requires_grad: tuple[bool, ...] = ()  # by slot, when the last pass began
         self._active: list[int] = []  # per bucket: its parameters that require a gradient
         try:
@@ -231,7 +232,7 @@ class GradientReducer:
         for spec, bucket in zip(self.layout.buckets, self.buckets, strict=True):
             for place in spec.places:
                 hook = self._hook(bucket, place.position, place.slot)
-                self._hooks.append(self._params[place.slot].register_post_accumulate_grad_hook(hook))
+                self._hooks.add(self._params[place.slot], hook)
         self._check_layout()
         host = [m if m is not None else b.buffer for b, m in zip(self.buckets, self.memory.mirrors, strict=True)]
         if host and not on_device:
@@ -279,14 +280,13 @@ class GradientReducer:
         return hook
 
     def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self._hooks.remove()
 
     # ------------------------------------------------------------------------------------------- backward
 
     def prepare(self, sync: bool) -> None:
         """Called before backward: arm the hooks to start buckets (``sync``) or only accumulate (no sync)."""
+        self._hooks.put_last()
         requires_grad = tuple(p.requires_grad for p in self._params)
         if requires_grad != self._requires_grad:
             bucketed = self.layout.bucketed_slots

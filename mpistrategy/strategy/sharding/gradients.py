@@ -33,6 +33,7 @@ from torch import nn
 
 from mpistrategy.comm.buffers import mpi_buffer, mpi_op, off_wire, on_wire, reduction_dtype
 from mpistrategy.comm.traffic import INTER_NODE, NODE, TrafficCounter
+from mpistrategy.strategy.reducer.hooks import GradientHooks
 from mpistrategy.strategy.sharding.flat import FlatParameters
 from mpistrategy.strategy.sharding.group import ShardGroup
 from mpistrategy.strategy.sharding.layout import BucketRange, Piece, bucket_ranges, overlaps
@@ -106,7 +107,7 @@ class GradientShards:
         self._slot: dict[int, int] = {}
         self._local = np.zeros(0, dtype=np.uint8)  # 1: a gradient accumulated here since zero_grad or the last sync
         self._kept = np.zeros(0, dtype=np.uint8)  # 1: zeroed, not set to None, by zero_grad
-        self._hooks: list[Any] = []
+        self._hooks = GradientHooks()
         self._hooked: set[int] = set()  # the parameters with a hook (those that required a gradient at a pass)
         self._patched: list[tuple[Any, bool]] = []
         self._flags: tuple[bool, ...] = ()
@@ -151,6 +152,7 @@ class GradientShards:
         wait for them (found from the graph after a pass in which some parameter got none; without ``loss``, a
         bucket with such a parameter waits until the end of backward)."""
         self._update_hooks()
+        self._hooks.put_last()
         reached = _reached(loss) if loss is not None and self._trace else None
         for bucket in self.buckets:
             bucket.expected = [
@@ -171,7 +173,7 @@ class GradientShards:
                 bucket.active = [p.requires_grad for p in bucket.params]
                 for param in bucket.params:
                     if param.requires_grad and id(param) not in self._hooked:
-                        self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+                        self._hooks.add(param, self._on_gradient)
                         self._hooked.add(id(param))
             self._flags = flags
 
@@ -378,9 +380,8 @@ class GradientShards:
 
     def remove(self) -> None:
         """Remove the hooks and give the optimizers their own ``zero_grad`` back."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks, self._hooked, self._flags = [], set(), ()
+        self._hooks.remove()
+        self._hooked, self._flags = set(), ()
         for target, had_attribute in reversed(self._patched):
             if not had_attribute and "zero_grad" in vars(target):
                 del target.zero_grad

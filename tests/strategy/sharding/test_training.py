@@ -330,3 +330,50 @@ def test_the_step_uses_the_gradients_a_hook_put_in_place_of_backwards(clip: str,
     want = _replaced_gradients_in_one_process(dataset, 6, clip)
     assert not torch.equal(want, parameter_vector(_ReplacedGradients().net)), "training did not move"
     torch.testing.assert_close(parameter_vector(model.net), want, rtol=0, atol=1e-12)
+
+
+def _hook_gradients(net: nn.Module) -> None:
+    """Hooks that edit gradients as they are accumulated: one replaces the first layer's, one scales the last
+    layer's in place."""
+
+    def replace(param: torch.Tensor) -> None:
+        param.grad = param.grad * 2
+
+    def scale(param: torch.Tensor) -> None:
+        param.grad.mul_(0.5)
+
+    net[0].weight.register_post_accumulate_grad_hook(replace)
+    net[2].weight.register_post_accumulate_grad_hook(scale)
+
+
+class _HookedGradients(_ReplacedGradients):
+    """Gradient hooks registered once training starts, after the strategy set its own up."""
+
+    def on_before_optimizer_step(self, optimizer):
+        pass
+
+    def on_train_start(self):
+        _hook_gradients(self.net)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=240)
+@pytest.mark.parametrize("shard", [None, *MODES])
+def test_gradient_hooks_registered_after_setup_run_before_the_average(shard: str | None) -> None:
+    """A ``register_post_accumulate_grad_hook`` of the user's added after the strategy's edits the gradient before
+    its bucket is averaged (one bucket per parameter: each starts during backward), as in one process."""
+    torch.manual_seed(1)
+    dataset = TensorDataset(torch.randn(SIZE * 24, 6, dtype=torch.float64), torch.randn(SIZE * 24, 2).double())
+    model = _HookedGradients()
+    strategy = MPIADStrategy(shard=shard, bucket_cap_mb=1e-4, own_bucket_mb=1e-4)
+    trainer(strategy=strategy, max_steps=4).fit(model, loader(dataset, 4))
+
+    reference = _ReplacedGradients()
+    _hook_gradients(reference.net)
+    (optimizer,), _ = reference.configure_optimizers()
+    ordered = epoch_order(dataset)
+    for step in range(4):
+        x, y = (t[step * SIZE * 4 : (step + 1) * SIZE * 4] for t in ordered.tensors)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference.net(x), y).backward()
+        optimizer.step()
+    torch.testing.assert_close(parameter_vector(model.net), parameter_vector(reference.net), rtol=0, atol=1e-12)
