@@ -67,7 +67,10 @@ def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_j
         assert f"rank {late} is 1 call behind" in message
         assert "rank 0: iallreduce(float32[4], op=sum) at " in message and _line_of("unchecked") in message
 
-    assert code == STALL_EXIT_CODE, output[-4000:]
+    # every rank ends itself with 86 (each says so); mpiexec reports 9 instead when its cleanup after the first
+    # rank's exit killed a rank that was about to exit
+    assert code in (STALL_EXIT_CODE, 9), output[-4000:]
+    assert output.count(f"ends with exit code {STALL_EXIT_CODE}") == ranks, output[-4000:]
     assert "UNREACHED" not in output
     started = float(re.search(r"HANG (\d+\.\d+)", output).group(1))
     assert ended - started <= STALL_TIMEOUT + 10, f"the job ended {ended - started:.1f} s after the stall began"
