@@ -114,7 +114,8 @@ class ZeroGradHook:
         for tensor in (*plan.buffers, *plan.views):
             tensor.zero_()
         for param, view in plan.bound:  # a .grad the user replaced after backward: backward accumulates into the view
-            if param.grad is not None and param.grad is not view:
+            grad = param.grad  # read once: this loop runs every step
+            if grad is not view and grad is not None:
                 param.grad = view
         for param in plan.others:
             if param.grad is not None:
