@@ -147,9 +147,9 @@ def test_consolidate_refuses_to_write_over_its_checkpoint_and_names_a_missing_on
 
 @pytest.mark.mpi(ranks=(2,), timeout=240)
 def test_a_file_url_keeps_the_shards_beside_the_checkpoint_and_a_remote_one_is_refused() -> None:
-    """``file:///...`` names the local path, as for the checkpoint file (the shards went to a ``./file:`` folder
-    under the working directory before); shard files cannot go to a remote file system: every rank says so. A
-    weights-only save over a sharded one leaves no shard folder behind."""
+    """``file:///...`` names the local path, as for the checkpoint file: the shards go beside it, not into a
+    ``./file:`` folder under the working directory; shard files cannot go to a remote file system: every rank says
+    so. A weights-only save over a sharded one leaves no shard folder behind."""
     directory = shared_tmpdir()
     fit = trainer(strategy=MPIADStrategy(shard="optimizer"), max_epochs=1)
     fit.fit(DeepNet(), loader(data(2, 1), BATCH))
