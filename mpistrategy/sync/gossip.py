@@ -19,10 +19,13 @@ every rank the exact mean (``w_ij = 1/P``).
 
 The model state is the trainable parameters plus the floating-point buffers. A checkpoint holds every rank's
 sent state and received neighbour states (gathered to rank 0), so that a resumed run applies the same mixing.
+Resumed on fewer ranks, the graph is another one: the exchange in flight is dropped (rank 0 warns) and the next
+mixing is that of the next exchange; on more ranks resuming is refused (the new ranks have no replica).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +41,8 @@ from mpistrategy.comm.traffic import INTER_NODE, NODE
 from mpistrategy.sync.averaging import ModelAverager
 from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode, refuse_several_optimizers
 from mpistrategy.sync.local_sgd import check_positive
+
+log = logging.getLogger(__name__)
 
 GRAPHS = ("ring", "torus", "exponential", "complete")
 
@@ -193,17 +198,27 @@ class Gossip(SyncMode):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         topology = self.ctx.topology
         ranks = state["ranks"]
-        if ranks is None or len(ranks) != topology.size:
+        if ranks is None or len(ranks) < topology.size:
             saved = "an unknown number of" if ranks is None else len(ranks)
             raise SyncConfigurationError(
                 f"gossip: the checkpoint holds the exchanges of {saved} ranks, but {topology.size} ranks resume; "
-                "resume gossip with the world size it was saved with."
+                "resume gossip on at most the number of ranks it was saved with."
             )
         self.step = int(state["step"])
-        mine = ranks[topology.rank]
-        self._sent = mine["sent"]
-        self._received = {int(peer): flats for peer, flats in mine["received"].items()}
         self._requests = []
+        if len(ranks) == topology.size:
+            mine = ranks[topology.rank]
+            self._sent = mine["sent"]
+            self._received = {int(peer): flats for peer, flats in mine["received"].items()}
+            return
+        self._sent, self._received = None, {}
+        if topology.rank == 0 and any(saved["sent"] is not None for saved in ranks):
+            log.warning(
+                "gossip: the checkpoint holds the exchange in flight of %d ranks and %d ranks resume on another "
+                "graph: that exchange is dropped, and the next mixing is that of the next exchange.",
+                len(ranks),
+                topology.size,
+            )
 
     def __repr__(self) -> str:
         graph = self.graph if isinstance(self.graph, str) else "custom"

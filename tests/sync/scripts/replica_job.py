@@ -1,8 +1,8 @@
-"""Local SGD's per-rank replicas across a change of the number of ranks:
-``mpiexec -n N python replica_job.py save|load DIRECTORY``. ``save`` trains 2 epochs (the last average 2 steps
-before the end, so the replicas differ), saves ``DIRECTORY/saved.ckpt`` after fit and each rank's parameters as
-``saved-rank<r>.pt``; ``load`` resumes from that checkpoint and writes each rank's parameters at the start of
-training as ``loaded-rank<r>.pt``."""
+"""Local SGD's or gossip's per-rank replicas across a change of the number of ranks:
+``mpiexec -n N python replica_job.py save|load DIRECTORY local_sgd|gossip``. ``save`` trains 2 epochs (local SGD's
+last average 2 steps before the end, so the replicas differ), saves ``DIRECTORY/saved.ckpt`` after fit and each
+rank's parameters as ``saved-rank<r>.pt``; ``load`` resumes from that checkpoint and writes each rank's parameters
+at the start of training as ``loaded-rank<r>.pt``."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import lightning.pytorch as L
 import torch
 
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
-from mpistrategy.sync import LocalSGD
+from mpistrategy.sync import Gossip, LocalSGD
 from tests.strategy.helpers import RANK, Regressor, flat_parameters, loader, mlp, regression_data, trainer
 
-action, directory = sys.argv[1], sys.argv[2]
+action, directory, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 checkpoint = os.path.join(directory, "saved.ckpt")
 
 
@@ -27,7 +27,7 @@ class ParametersAtStart(L.Callback):
 
 
 model = Regressor(mlp(), lr=0.1, momentum=0.9)
-strategy = MPIADStrategy(sync=LocalSGD(period=3))
+strategy = MPIADStrategy(sync=LocalSGD(period=3) if mode == "local_sgd" else Gossip(graph="ring"))
 data = loader(regression_data(24), 2)  # 4 steps per epoch at 3 ranks
 if action == "save":
     fit = trainer(strategy=strategy, max_epochs=2)
