@@ -14,9 +14,11 @@ complete new one, also after a crash.
 Verifying. A sealed file must hash to its digest. A torch zip archive without a seal (written by something else)
 must pass the CRC-32 of each of its entries. An empty file, an archive cut short (no end record, or a shorter
 comment), a digest or CRC mismatch, or a file that cannot be read raise :class:`CorruptCheckpointError`, which
-names the file, the problem, and the newest older checkpoint in the same folder that passes these checks. A path
-with no file is not a corrupt checkpoint: :func:`verify` raises ``FileNotFoundError`` for it. Other files (not zip
-archives) are left to the loader.
+names the file, the problem, and the newest older zip checkpoint in the same folder that passes these checks. A
+path with no file is not a corrupt checkpoint: :func:`verify` raises ``FileNotFoundError`` for it. A file that
+starts with a block of zero bytes (a write lost in a crash) is corrupt in any format. Other files (not zip archives)
+are left to the loader; when the loader fails on one that is not a pickle either (the format of
+``torch.save(..., _use_new_zipfile_serialization=False)``), :func:`unrecognised` names it as corrupt.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ _COMMENT_LENGTH_OFFSET = 20
 _MAX_COMMENT = 0xFFFF
 _LOCAL_HEADER = b"PK\x03\x04"
 _CHUNK = 1 << 22
+#: the leading bytes that must not all be zero
+_HEAD = 4096
 
 
 def is_remote(path: str) -> bool:
@@ -139,7 +143,10 @@ def find_problem(path: str) -> str | None:
             if size == 0:
                 return "the file is empty (0 bytes)"
             handle.seek(0)
-            is_zip = handle.read(len(_LOCAL_HEADER)) == _LOCAL_HEADER
+            head = handle.read(_HEAD)
+            if not any(head):
+                return f"its first {len(head)} bytes are all zero (a write lost in a crash?)"
+            is_zip = head.startswith(_LOCAL_HEADER)
             comment = _zip_comment(handle, size)
             if comment is None:
                 return (
@@ -188,8 +195,27 @@ def _check_entries(path: str) -> str | None:
     return None if damaged is None else f"the CRC-32 of its entry {damaged!r} does not match its data"
 
 
+def unrecognised(path: str) -> str | None:
+    """For a file its loader failed on: what shows it is no torch checkpoint (a phrase), or ``None`` if it is a zip
+    archive or a pickle (protocol 2 to 5), whose failure is the loader's to tell."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+    except OSError as error:
+        return f"it cannot be read ({error})"
+    if head.startswith(_LOCAL_HEADER) or (len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        return None
+    return f"it is neither a zip archive nor a pickle (its first bytes are {head.hex(' ')}): not a torch checkpoint"
+
+
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(len(_LOCAL_HEADER)) == _LOCAL_HEADER
+
+
 def older_sound_checkpoint(path: str) -> str | None:
-    """The newest other ``*.ckpt`` file in ``path``'s folder, not newer than ``path``, that passes :func:`verify`."""
+    """The newest other ``*.ckpt`` zip archive in ``path``'s folder, not newer than ``path``, that passes
+    :func:`verify` (a file of another format cannot be checked, so it is not offered)."""
     target = Path(path).resolve()
     try:
         limit = target.stat().st_mtime
@@ -199,7 +225,7 @@ def older_sound_checkpoint(path: str) -> str | None:
     for candidate in target.parent.glob("*.ckpt"):
         try:
             modified = candidate.stat().st_mtime
-            if candidate.is_file() and candidate.resolve() != target and modified <= limit:
+            if candidate.is_file() and candidate.resolve() != target and modified <= limit and _is_zip(candidate):
                 candidates.append((modified, candidate))
         except OSError:
             continue

@@ -9,7 +9,8 @@ Writing: rank 0, atomically and sealed with a SHA-256 (:mod:`~mpistrategy.strate
 paths; a remote path (an fsspec URL) or an asynchronous checkpoint IO gets the checkpoint as it is.
 :func:`write_on_rank_zero` (Fabric's ``save``) also tells every rank whether the write succeeded.
 
-Reading: one allgather exchanges every rank's path and whether it sees the file there. Paths that differ between
+Reading: one allgather exchanges every rank's path and whether it sees the file there (a rank given no path, which
+Lightning does not ask to read, makes the same exchange at setup: :func:`check_none_read`). Paths that differ between
 ranks (local ones compared by ``os.path.abspath``, remote ones as given) raise a ``ValueError`` naming each rank's
 path; a file that no rank sees raises ``FileNotFoundError``. When every rank sees it, every rank verifies and loads
 the file it sees, and the ranks agree on the outcome (a second allgather): a corrupt or unreadable file, or a load
@@ -33,6 +34,8 @@ from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError
 log = logging.getLogger(__name__)
 
 KEY = "mpistrategy"
+#: what a rank given no checkpoint path shows in the comparison of the ranks' paths
+NO_PATH = "no ckpt_path"
 #: how to save right, for the report of a save that some ranks made and others went on without
 SAVE_ON_EVERY_RANK = (
     "every rank adds its part (its random state, its optimizer shard) and learns that rank 0 wrote the file. Call "
@@ -115,6 +118,13 @@ def read(checkpoint_path: Any, load: Callable[[Any], Checkpoint], comm: MPI.Intr
     return checkpoint
 
 
+def check_none_read(comm: MPI.Intracomm) -> None:
+    """Collective, at the setup of a run that read no checkpoint on this rank: :func:`read`'s first exchange with
+    no path, so that ranks given a ``ckpt_path`` (whose exchange this one meets) and this one raise together."""
+    if comm.Get_size() > 1:
+        _raise_if_paths_differ([identity for identity, _ in comm.allgather((NO_PATH, False))])
+
+
 def _raise_if_paths_differ(identities: list[str]) -> None:
     """Raise on every rank (each rank has every path) if the ranks were given different checkpoints."""
     if len(set(identities)) == 1:
@@ -141,6 +151,9 @@ def _verify_and_load(
     try:
         return load(path), None, None
     except Exception as error:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        problem = None if checkpoint_files.is_remote(path) else checkpoint_files.unrecognised(path)
+        if problem is not None:
+            return None, ("corrupt", problem), None
         return None, ("error", f"{type(error).__name__}: {error}"), error
 
 

@@ -161,6 +161,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._random_state_at_epoch_end = False
         self._unroute: Callable[[], None] | None = None  # gives Lightning's objects their own methods back
         self._checkpoint_path: str | None = None
+        self._checkpoint_read = False  # by this run, before setup: the ranks without one check that none has
         self._sharding: ShardedTraining | None = None  # kept after fit: a checkpoint saved then needs it
         self._fit_index = -1
         self._training_pass = (-1, -1)  # (fit, epoch) of the training dataloader's current pass
@@ -176,6 +177,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
     def setup(self, trainer: Any) -> None:
         fw = self._fw
         assert self.accelerator is not None and self.model is not None
+        if not self._checkpoint_read:
+            checkpoints.check_none_read(self.topology.control)
+        self._checkpoint_read = False
         self.accelerator.setup(trainer)
         self._fit_index = next(_fits)
         fitting = self._fitting()
@@ -356,6 +360,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         checkpoint_files.CorruptCheckpointError`, a file no rank sees ``FileNotFoundError`` and different paths on
         different ranks ``ValueError``, on every rank (:func:`~mpistrategy.strategy.checkpoints.read`)."""
         load = functools.partial(self.checkpoint_io.load_checkpoint, weights_only=weights_only)
+        self._checkpoint_read = True
         checkpoint = checkpoints.read(checkpoint_path, load, self.topology.control)
         self._checkpoint_path = checkpoint_files.local_path(os.fspath(checkpoint_path))
         if not self._fitting():  # validate, test, predict: the weights only (no sync state, replicas, random state)

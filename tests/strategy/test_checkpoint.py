@@ -364,6 +364,10 @@ def _corrupt_copy(kind: str) -> str:
                 content[start + offset] ^= 0x10  # inside the tensor data; the zip structure stays intact
         elif kind == "truncated":
             content = content[:-100]
+        elif kind == "zeros":  # a write lost in a crash: the file's length, none of its bytes
+            content = bytearray(len(content))
+        elif kind == "random":  # overwritten: torch's loader takes it for its legacy tar format and suggests unpickling
+            content = bytearray(b"?" + bytes(torch.randint(0, 256, (len(content),), dtype=torch.uint8).tolist()))
         else:
             content = bytearray()
         with open(path, "wb") as handle:
@@ -373,8 +377,10 @@ def _corrupt_copy(kind: str) -> str:
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
-@pytest.mark.parametrize("kind", ["bit-flips", "truncated", "empty"])
+@pytest.mark.parametrize("kind", ["bit-flips", "truncated", "empty", "zeros", "random"])
 def test_a_corrupt_checkpoint_is_refused_on_every_rank_naming_an_older_sound_one(kind: str) -> None:
+    """Each damage is named, and the checkpoint offered instead is the newest older one that passes the check (not
+    one of the damaged copies beside it: a file that is no zip archive cannot be checked, so it is never offered)."""
     path = _corrupt_copy(kind)
     _, newest = _sound_checkpoints()
     if kind == "bit-flips":
@@ -384,7 +390,13 @@ def test_a_corrupt_checkpoint_is_refused_on_every_rank_naming_an_older_sound_one
         fit.fit(Regressor(mlp(seed=2)), loader(regression_data(SIZE * 12), 4), ckpt_path=path)
     message = str(refused.value)
     assert f"Checkpoint {path} is corrupt" in message
-    expected = {"bit-flips": "do not match the SHA-256", "truncated": "ends early", "empty": "empty (0 bytes)"}[kind]
+    expected = {
+        "bit-flips": "do not match the SHA-256",
+        "truncated": "ends early",
+        "empty": "empty (0 bytes)",
+        "zeros": "its first 4096 bytes are all zero",
+        "random": "it is neither a zip archive nor a pickle (its first bytes are 3f ",
+    }[kind]
     assert expected in message
     assert f"passes the check: {newest}" in message
     assert_same_on_all_ranks(torch.tensor([len(message)]), "the error message")
@@ -457,6 +469,29 @@ def test_different_checkpoint_paths_on_the_ranks_are_refused_on_every_rank_namin
     spelling = os.path.relpath(newest) if RANK == 0 else f"file://{newest}"
     checkpoint = checkpoints.read(spelling, lambda where: torch.load(where.removeprefix("file://")), COMM)
     assert checkpoint["epoch"] == torch.load(newest, weights_only=False)["epoch"] == 1
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=180)
+@pytest.mark.parametrize("given_on", [0, -1])
+def test_a_checkpoint_path_given_to_one_rank_only_is_refused_on_every_rank(given_on: int) -> None:
+    """The ranks given no ``ckpt_path`` (which Lightning does not ask to read) meet the reading rank's exchange of
+    paths at setup: ``fit`` and ``predict`` raise the same ``ValueError`` on every rank, and the next ``fit`` (no
+    path anywhere) trains in step."""
+    _, newest = _sound_checkpoints()
+    reader = given_on % SIZE
+    others = [rank for rank in range(SIZE) if rank != reader]
+    path = newest if RANK == reader else None
+    groups = [f"rank(s) [{reader}]: {newest}", f"rank(s) {others}: no ckpt_path"]  # in the order of their first rank
+    named = "; ".join(groups if reader == 0 else groups[::-1])
+    data = loader(regression_data(SIZE * 12), 4)
+    for run in ("fit", "predict"):
+        model = Regressor(mlp(seed=2))
+        with pytest.raises(ValueError, match="Pass the same ckpt_path on every rank") as refused:
+            getattr(trainer(strategy=MPIADStrategy(), max_epochs=3), run)(model, data, ckpt_path=path)
+        assert f"({named})" in str(refused.value)
+    model = Regressor(mlp(seed=2))
+    trainer(strategy=MPIADStrategy(), max_epochs=1).fit(model, data)
+    assert_same_on_all_ranks(flat_parameters(model), "the parameters after the next fit")
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
