@@ -98,6 +98,8 @@ class DataParallelEngine:
             self._options_problem() or _sparse_gradient_problem(module) or problem,
             "checking the sync mode and shard options",
         )
+        context = SyncContext(module, self.topology, self.aggregator, self.traffic, self.node_transport, optimizers)
+        self._agreed(lambda: self.sync.setup(context), "setting up the sync mode")
         if (
             self.topology.rank == 0
             and not isinstance(self.aggregator, MeanAggregator)
@@ -105,13 +107,12 @@ class DataParallelEngine:
         ):
             log.warning(
                 "mpi_ad: the aggregator %r is not used: %r averages no gradients across nodes (only models, or only "
-                "inside nodes), so nothing is compressed. Compression applies under sync='flat', 'hierarchical', and "
-                "in the warm-up steps of local SGD.",
+                "inside nodes; this run has %d node(s)), so nothing is compressed. Compression applies under "
+                "sync='flat', 'hierarchical' with several nodes, and in the warm-up steps of local SGD.",
                 self.aggregator,
                 self.sync,
+                self.topology.num_nodes,
             )
-        context = SyncContext(module, self.topology, self.aggregator, self.traffic, self.node_transport, optimizers)
-        self._agreed(lambda: self.sync.setup(context), "setting up the sync mode")
         try:
             self._build_parts(module, optimizers)
         except BaseException:

@@ -165,8 +165,8 @@ class SyncMode(ABC):
         return AggregationContext(comm, ctx.topology, buckets, ctx.traffic, scope_of(spans_nodes), span)
 
     def uses_aggregator(self) -> bool:
-        """Whether some step's gradients go through the strategy's aggregator (a mode that averages only models,
-        or only inside nodes, leaves it unused)."""
+        """Whether some step's gradients go through the strategy's aggregator, asked after :meth:`setup` (a mode
+        that averages only models, or only inside nodes, leaves it unused)."""
         return True
 
     def options(self) -> dict[str, Any]:

@@ -3,14 +3,15 @@
 Per bucket (see :class:`~mpistrategy.sync.levels.HierarchicalAggregator`): a sum inside each node over the node
 transport, the node leaders' combination across nodes by the user's aggregator (the mean over the ``N`` leaders of
 ``S_n N / P``, which is ``(1/P) sum_r g_r``), and a broadcast inside each node. Only one copy of each bucket per
-node crosses the network, instead of one per rank; a compressing aggregator compresses only that inter-node step.
+node crosses the network, instead of one per rank; a compressing aggregator compresses only that inter-node step
+(on one node there is none: the leader's step is the exact mean and the aggregator is unused).
 """
 
 from __future__ import annotations
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket
 from mpistrategy.sync.base import SyncContext, SyncMode
-from mpistrategy.sync.levels import HierarchicalAggregator
+from mpistrategy.sync.levels import HierarchicalAggregator, across_nodes
 from mpistrategy.sync.transport import node_transport
 
 
@@ -25,15 +26,19 @@ class HierarchicalSync(SyncMode):
         topology = context.topology
         self.transport = node_transport(topology, context.node_transport, context.device)
         scale = topology.num_nodes / topology.size
-        self.aggregator = HierarchicalAggregator(self.transport, context.aggregator, topology.is_leader, scale)
+        self.leaders = across_nodes(context.aggregator, topology.num_nodes)
+        self.aggregator = HierarchicalAggregator(self.transport, self.leaders, topology.is_leader, scale)
 
     def setup_buckets(self, buckets: list[GradBucket]) -> None:
         topology = self.ctx.topology
         self.aggregator.setup(self.aggregation_context(buckets, topology.node_gradients, False, topology.gradients))
         if topology.leader_gradients is not None:
             spans_nodes = topology.num_nodes > 1
-            inner = self.aggregation_context(buckets, topology.leader_gradients, spans_nodes)
-            self.ctx.aggregator.setup(inner)
+            self.leaders.setup(self.aggregation_context(buckets, topology.leader_gradients, spans_nodes))
+
+    def uses_aggregator(self) -> bool:
+        """Not on one node (no step crosses nodes)."""
+        return self.ctx.topology.num_nodes > 1
 
     def gradient_aggregator(self) -> Aggregator:
         return self.aggregator

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket
 from mpistrategy.sync.base import SyncContext
-from mpistrategy.sync.levels import HierarchicalAggregator, NodeMeanAggregator
+from mpistrategy.sync.levels import HierarchicalAggregator, NodeMeanAggregator, across_nodes
 from mpistrategy.sync.local_sgd import LocalSGD
 from mpistrategy.sync.transport import node_transport
 
@@ -38,7 +38,8 @@ class HierarchicalLocalSGD(LocalSGD):
         self.transport = node_transport(topology, context.node_transport, context.device)
         self.node_mean = NodeMeanAggregator(self.transport)
         scale = topology.num_nodes / topology.size
-        self.hierarchical = HierarchicalAggregator(self.transport, context.aggregator, topology.is_leader, scale)
+        self.leaders = across_nodes(context.aggregator, topology.num_nodes)
+        self.hierarchical = HierarchicalAggregator(self.transport, self.leaders, topology.is_leader, scale)
 
     def setup_buckets(self, buckets: list[GradBucket]) -> None:
         topology = self.ctx.topology
@@ -46,7 +47,11 @@ class HierarchicalLocalSGD(LocalSGD):
         self.hierarchical.setup(self.aggregation_context(buckets, topology.node_gradients, False, topology.gradients))
         if topology.leader_gradients is not None:
             leaders = self.aggregation_context(buckets, topology.leader_gradients, topology.num_nodes > 1)
-            self.ctx.aggregator.setup(leaders)
+            self.leaders.setup(leaders)
 
     def gradient_aggregator(self) -> Aggregator:
         return self.hierarchical if self.step < self.warmup_steps else self.node_mean
+
+    def uses_aggregator(self) -> bool:
+        """Only the warm-up steps of a run with several nodes average gradients across nodes."""
+        return super().uses_aggregator() and self.ctx.topology.num_nodes > 1

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from mpistrategy.aggregation.base import Aggregator, GradBucket, Work
+from mpistrategy.aggregation.mean import MeanAggregator
 from mpistrategy.sync.transport import MPINodeTransport, NodeTransport
+
+
+def across_nodes(aggregator: Aggregator, num_nodes: int) -> Aggregator:
+    """The aggregator of the node leaders' step (stage 2): the user's ``aggregator``; on one node, where that step
+    is one leader's and crosses no network, the exact mean (compressing it would lose precision and save nothing)."""
+    return aggregator if num_nodes > 1 else MeanAggregator()
 
 
 class NodeMeanAggregator(Aggregator):

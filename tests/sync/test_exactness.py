@@ -6,6 +6,8 @@ nodes are uneven (2 + 1), which the hierarchical mean must also average exactly.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from mpistrategy.aggregation import MeanAggregator, TopK
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from mpistrategy.sync import DASO, FlatSync, HierarchicalLocalSGD, HierarchicalSync, LocalSGD
 from tests.strategy.helpers import (
+    RANK,
     SIZE,
     Regressor,
     assert_same_on_all_ranks,
@@ -36,12 +39,15 @@ MODES = {
 }
 
 
-def _train(sync, node_transport: str = "mpi", aggregator=None, **fit_options) -> torch.Tensor:
+def _train(sync, node_transport: str = "mpi", aggregator=None, ranks_per_node: int = 2, **fit_options) -> torch.Tensor:
     accumulate = fit_options.get("accumulate_grad_batches", 1)
     data = regression_data(SIZE * PER_RANK_BATCH * STEPS * accumulate)
     model = Regressor(mlp(seed=3), lr=0.1)
     strategy = MPIADStrategy(
-        sync=sync, aggregator=aggregator or MeanAggregator(), ranks_per_node=2, node_transport=node_transport
+        sync=sync,
+        aggregator=aggregator or MeanAggregator(),
+        ranks_per_node=ranks_per_node,
+        node_transport=node_transport,
     )
     trainer(strategy=strategy, max_steps=STEPS, **fit_options).fit(model, loader(data, PER_RANK_BATCH))
     return flat_parameters(model)
@@ -84,3 +90,18 @@ def test_a_compressor_on_the_leaders_step_that_drops_nothing_equals_flat() -> No
     got = _train(HierarchicalSync(), aggregator=TopK(density=1.0))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert_same_on_all_ranks(got, "parameters")
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=180)
+@pytest.mark.parametrize(
+    "mode", [lambda: HierarchicalSync(), lambda: HierarchicalLocalSGD(period=1, warmup_steps=STEPS)], ids=["h", "hl"]
+)
+def test_on_one_node_the_hierarchy_compresses_nothing_and_names_the_aggregator_unused(mode, caplog) -> None:
+    """All ranks on one node: no step crosses nodes, so the leaders' step is the exact mean (a compressor there would
+    lose 99% of the gradient and save no byte) and rank 0 warns that the aggregator is unused."""
+    want = _train(FlatSync(), ranks_per_node=SIZE)
+    with caplog.at_level(logging.WARNING):
+        got = _train(mode(), aggregator=TopK(density=0.01), ranks_per_node=SIZE)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    unused = "the aggregator TopK(density=0.01, error_feedback=True) is not used" in caplog.text
+    assert unused == (RANK == 0) and ("this run has 1 node(s)" in caplog.text) == (RANK == 0)
