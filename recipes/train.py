@@ -49,7 +49,7 @@ log = logging.getLogger("mpistrategy.recipes.train")
 register_configs()
 
 
-class _BuildFailed(RuntimeError):
+class BuildError(RuntimeError):
     """Building failed on some rank (its error is reported where it happened): report and exit, no abort needed.
     ``quiet``: another rank prints the same message."""
 
@@ -210,7 +210,7 @@ def train(cfg: DictConfig) -> float | None:
 
     differing = differing_config(cfg)
     if differing:
-        raise _BuildFailed(
+        raise BuildError(
             f"the ranks composed different configs: {differing}. Every rank must run the same command with the same "
             "overrides; a value that differs between ranks comes from the environment (an ${oc.env:...} "
             "interpolation, a launcher that passes other arguments to some ranks).",
@@ -227,12 +227,12 @@ def train(cfg: DictConfig) -> float | None:
     if error is not None and 0 in failed:
         raise error  # main() reports it on rank 0 (every rank has it when the ranks share the config)
     if error is not None:
-        raise _BuildFailed(f"Error: {explain(error)}") from error  # rank 0 did not have it: reported here
+        raise BuildError(f"Error: {explain(error)}") from error  # rank 0 did not have it: reported here
     if failed:
-        raise _BuildFailed(f"building the run failed on rank(s) {failed}")
+        raise BuildError(f"building the run failed on rank(s) {failed}")
     assert run is not None
     if run.trainer.world_size != hydra_mpi.size():
-        raise _BuildFailed(
+        raise BuildError(
             f"strategy={cfg.strategy.get('name', '?')} makes a Trainer of {run.trainer.world_size} process(es) "
             f"({type(run.trainer.strategy).__name__}) on each of the {hydra_mpi.size()} MPI ranks: every rank would "
             "train alone and write the same run dir. Use an MPI strategy (strategy=mpi_ad, or another choice of "
@@ -374,7 +374,7 @@ def main() -> None:
         _hydra_main()
     except (SystemExit, KeyboardInterrupt):
         raise
-    except _BuildFailed as exc:
+    except BuildError as exc:
         if not exc.quiet:
             sys.stderr.write(f"[rank {hydra_mpi.rank()}] {exc}\n")
         sys.exit(1)

@@ -9,7 +9,8 @@ writer puts ``mpistrategy-sha256:<64 hex digits>`` there, the SHA-256 of every b
 Atomic writing. The checkpoint goes to a temporary file in the same folder (a new file with an unguessable name,
 so a link planted in a folder that others can write is not followed), which is sealed, flushed and fsynced,
 then renamed over the destination (``os.replace``), and the folder is fsynced: a reader sees the old file or the
-complete new one, also after a crash.
+complete new one, also after a crash. A temporary left by a write killed before its rename is removed by the next
+write of the same file (the temporaries of that name not modified since the new write began).
 
 Verifying. A sealed file must hash to its digest. A torch zip archive without a seal (written by something else)
 must pass the CRC-32 of each of its entries. An empty file, an archive cut short (no end record, or a shorter
@@ -23,6 +24,7 @@ are left to the loader; when the loader fails on one that is not a pickle either
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -62,6 +64,7 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     temporary = _new_temporary(directory, os.path.basename(path))
+    began = os.stat(temporary).st_mtime  # the file system's clock (a shared one's may differ from this host's)
     try:
         write(temporary)
         _seal(temporary)
@@ -70,6 +73,19 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+    _remove_abandoned(directory, os.path.basename(path), began)
+
+
+def _remove_abandoned(directory: str, name: str, began: float) -> None:
+    """Remove the temporaries of ``name`` in ``directory`` that no writer has touched since this write began: those
+    of writes killed before their rename (a preemption's SIGKILL), which would otherwise stay, one per kill."""
+    prefix = f".{name}.tmp-"
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(prefix):
+                with contextlib.suppress(OSError):  # gone already, or not ours to remove
+                    if entry.stat(follow_symlinks=False).st_mtime < began:
+                        os.remove(entry.path)
 
 
 def _new_temporary(directory: str, name: str) -> str:

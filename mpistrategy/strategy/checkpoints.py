@@ -118,10 +118,11 @@ def read(checkpoint_path: Any, load: Callable[[Any], Checkpoint], comm: MPI.Intr
     return checkpoint
 
 
-def check_none_read(comm: MPI.Intracomm) -> None:
-    """Collective, at the setup of a run that read no checkpoint on this rank: :func:`read`'s first exchange with
-    no path, so that ranks given a ``ckpt_path`` (whose exchange this one meets) and this one raise together."""
-    if comm.Get_size() > 1:
+def check_none_read(comm: MPI.Intracomm, read: bool) -> None:
+    """At the setup of a run: collective on the ranks that ``read`` no checkpoint in it, :func:`read`'s first
+    exchange with no path, so that ranks given a ``ckpt_path`` (whose exchange this one meets) and this one raise
+    together."""
+    if not read and comm.Get_size() > 1:
         _raise_if_paths_differ([identity for identity, _ in comm.allgather((NO_PATH, False))])
 
 

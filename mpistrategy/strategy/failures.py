@@ -8,7 +8,9 @@ code; the process ends there even if ``Abort`` returns before the launcher has k
 Lightning's ``on_exception`` hook (exceptions inside ``fit``/``validate``/``test``/``predict``), and
 :func:`install_excepthook` covers uncaught exceptions anywhere else in the script. An exception that every rank
 raises together, after agreeing on it (:func:`mark_raised_on_every_rank`: a coordinated stop, a corrupt checkpoint,
-a configuration error), is not a reason to abort: every rank reports it and exits by itself.
+a configuration error), is not a reason to abort: every rank reports it and exits by itself; so is one that every
+rank raises in step within :data:`RAISED_TOGETHER_SECONDS` (told by the stall watchdog), such as a collective's
+``CommunicationError`` in a Fabric loop.
 
 A rank that ends without an exception: killed outright (SIGKILL, out-of-memory), the launcher tears the job down
 when it sees the process die and names its pid. A rank that calls ``os._exit`` (skipping ``atexit`` and every
@@ -41,7 +43,7 @@ from typing import NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from mpistrategy.comm import calls, flight
+from mpistrategy.comm import calls, flight, watchdog
 from mpistrategy.comm.abort import abort_job
 from mpistrategy.comm.communicator import world_ranks
 
@@ -69,6 +71,10 @@ _os_exit_reported = False
 _training = False  # a fit is training (set by the strategy)
 _abort_lock = threading.Lock()
 _exit_process = os._exit
+
+
+#: how long a rank that raised waits to hear that every rank raised too, before it aborts the job
+RAISED_TOGETHER_SECONDS = 3.0
 
 
 def _world() -> tuple[int, int]:
@@ -118,7 +124,7 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        if not raised_on_every_rank(error):
+        if not raised_on_every_rank(error) and not watchdog.every_rank_raised(RAISED_TOGETHER_SECONDS):
             abort(error, tb)  # does not return with more than one rank
         previous(kind, error, tb)
 

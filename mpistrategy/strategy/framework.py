@@ -30,6 +30,7 @@ def framework(name: str) -> SimpleNamespace:
     accelerators = importlib.import_module(f"{name}.accelerators")
     optimizer_utils = importlib.import_module(f"{fabric}.utilities.optimizer")
     checkpoint_io = importlib.import_module(f"{name}.plugins.io")
+    seed = importlib.import_module(f"{fabric}.utilities.seed")
 
     class MPISyncBatchNorm(layer_sync.LayerSync):  # type: ignore[name-defined]  # imported by name above
         """``Trainer(sync_batchnorm=True)`` for the mpi_ad strategy: :class:`mpistrategy.nn.SyncBatchNorm`."""
@@ -48,5 +49,6 @@ def framework(name: str) -> SimpleNamespace:
         CUDAAccelerator=accelerators.CUDAAccelerator,
         AsyncCheckpointIO=checkpoint_io.AsyncCheckpointIO,
         optimizers_to_device=optimizer_utils._optimizers_to_device,
+        reset_seed=seed.reset_seed,
         MPISyncBatchNorm=MPISyncBatchNorm,
     )

@@ -82,9 +82,6 @@ def _param_group_callback_problem(trainer: Any) -> ValueError | None:
     return None
 
 
-#: how long a rank that raised waits to hear that every rank raised too, before it aborts the job
-RAISED_TOGETHER_SECONDS = 3.0
-
 _fits = itertools.count()  # this process's fits, the same sequence on every rank (the watchdog's training passes)
 
 
@@ -177,8 +174,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
     def setup(self, trainer: Any) -> None:
         fw = self._fw
         assert self.accelerator is not None and self.model is not None
-        if not self._checkpoint_read:
-            checkpoints.check_none_read(self.topology.control)
+        checkpoints.check_none_read(self.topology.control, self._checkpoint_read)
         self._checkpoint_read = False
         self.accelerator.setup(trainer)
         self._fit_index = next(_fits)
@@ -418,20 +414,21 @@ class MPIADStrategyMixin(MPIStrategyBase):
     def on_exception(self, exception: BaseException) -> None:
         """Abort every rank (after printing the traceback) unless every rank raises an exception together: a
         coordinated stop, a corrupt checkpoint or a configuration error all ranks agreed on, or an error every rank
-        raised in step within :data:`RAISED_TOGETHER_SECONDS` (an invalid hyperparameter of a sweep's point: the
-        ranks are free to run the next point)."""
+        raised in step within :data:`~mpistrategy.strategy.failures.RAISED_TOGETHER_SECONDS` (an invalid
+        hyperparameter of a sweep's point: the ranks are free to run the next point)."""
         passes.leave_evaluation()
         if failures.raised_on_every_rank(exception) or not self.abort_on_exception:
             return
-        if watchdog.every_rank_raised(RAISED_TOGETHER_SECONDS):
+        if watchdog.every_rank_raised(failures.RAISED_TOGETHER_SECONDS):
             failures.mark_raised_on_every_rank(exception)
             return
         failures.abort(exception)
 
     def setup_environment(self) -> None:
-        """Before Lightning's setup: a stop signal from here on (data preparation, setup hooks, checkpoint loading)
-        is recorded, a coordinated stop at the first training steps, not the end of the rank it reached."""
+        """Before Lightning's setup: ``seed_everything``'s seed again, as DDP sets it (dropout draws DDP's masks); a
+        stop signal from here on (data, setup hooks, checkpoint loading) stops every rank at the first steps."""
         super().setup_environment()
+        self._fw.reset_seed()
         if self._fitting():
             self._install_stop_signals()
 
@@ -513,6 +510,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._epoch = epoch
 
     def on_train_end(self) -> None:
+        passes.check_training_end(self.lightning_module.trainer)
         self._release_stop_signals()
         failures.set_training(False)
 

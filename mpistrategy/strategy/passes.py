@@ -11,6 +11,8 @@ from mpi4py import MPI
 from torch.utils.data import IterableDataset
 
 from mpistrategy.comm import calls
+from mpistrategy.comm.checks import agree
+from mpistrategy.comm.communicator import world
 from mpistrategy.comm.errors import by_rank
 from mpistrategy.comm.stall_report import uneven_batches
 from mpistrategy.strategy import failures
@@ -21,7 +23,9 @@ def check_even_batches(trainer: Any, loaders: Any, comm: MPI.Intracomm) -> None:
     """Collective over ``comm``, at the start of a training epoch: raise on every rank, before any batch, when the
     ranks' loaders (all sized, none over an IterableDataset, whose length is only a hint) give the epoch different
     numbers of batches; the ranks would pair the collectives of different batches and epochs. Streams are left to
-    the watchdog, which compares where their data ends."""
+    the watchdog, which compares where their data ends. A rank that ended training instead meets this in
+    :func:`check_training_end`'s fingerprint."""
+    agree(world(), "training epoch start", (trainer.current_epoch,), "epoch")
     if comm.Get_size() == 1:
         return
     planned = trainer.num_training_batches
@@ -33,6 +37,15 @@ def check_even_batches(trainer: Any, loaders: Any, comm: MPI.Intracomm) -> None:
         return
     problem = uneven_batches(trainer.current_epoch, dict(enumerate(counts)))
     raise failures.mark_raised_on_every_rank(ValueError(f"mpi_ad: {problem}"))
+
+
+def check_training_end(trainer: Any) -> None:
+    """Collective, when the Trainer ends training: every rank ends it at the same epoch and step. A rank with
+    other stopping conditions (``max_epochs``, ``max_steps``) meets, in this fingerprint check, another rank's
+    :func:`check_even_batches` at its next epoch (every rank raises a ``CommunicationError`` naming both calls), or
+    waits while that rank waits in its gradient sync, which the watchdog reports (ranks waiting in each other's
+    calls), instead of both waiting until the stall timeout."""
+    agree(world(), "training end", (trainer.current_epoch, trainer.global_step), "epoch, step")
 
 
 class Evaluation(NamedTuple):

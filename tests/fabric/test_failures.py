@@ -35,6 +35,18 @@ def test_rank_raising_ends_every_rank_with_its_traceback(tmp_path: Path) -> None
     assert "FINISHED" not in output
 
 
+def test_an_error_every_rank_raises_in_step_ends_each_rank_without_an_abort(tmp_path: Path) -> None:
+    """A collective called with another shape on one rank raises on every rank, in step: each rank exits with its
+    own traceback, and nothing is aborted."""
+    code, output, ended = _run("mismatch", str(tmp_path))
+    assert code == 1, output[-4000:]
+    failed_at = re.search(r"FAILING rank=1 time=([0-9.]+)", output)
+    assert failed_at, output[-4000:]
+    assert ended - float(failed_at.group(1)) < SECONDS_TO_END
+    assert output.count("CommunicationError: allreduce: ranks disagree") == RANKS, output[-4000:]
+    assert "aborting all ranks" not in output and "FINISHED" not in output
+
+
 def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
     directory = str(tmp_path)
     code, output, _ = _run("usr1", directory)

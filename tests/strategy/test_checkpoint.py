@@ -12,6 +12,8 @@ import pickle
 import shutil
 import signal
 import struct
+import subprocess
+import sys
 import zipfile
 from collections.abc import Iterator
 from typing import Any
@@ -517,6 +519,41 @@ def test_an_interrupted_write_leaves_the_previous_file_and_no_temporary(tmp_path
         checkpoint_files.write_atomically(path, fail_halfway)
     assert torch.load(path, weights_only=True) == {"step": 1}
     assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_a_write_killed_before_its_rename_leaves_a_temporary_that_the_next_write_removes(tmp_path) -> None:
+    """SIGKILL in the middle of a write (a preemption) keeps the previous file and leaves the temporary; the next
+    write of that file removes it, and leaves alone a temporary being written meanwhile and those of other files."""
+    path = tmp_path / "last.ckpt"
+    checkpoint_files.write_atomically(str(path), lambda temporary: torch.save({"step": 1}, temporary))
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from mpistrategy.strategy import checkpoint_files\n"
+            "def write(temporary):\n    open(temporary, 'wb').write(b'PK' * 1000); print('writing', flush=True); "
+            "time.sleep(60)\n"
+            f"checkpoint_files.write_atomically({str(path)!r}, write)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout is not None and writer.stdout.readline() == "writing\n"
+    writer.kill()
+    writer.wait()
+    (abandoned,) = [name for name in os.listdir(tmp_path) if name.startswith(".last.ckpt.tmp-")]
+    other = tmp_path / ".other.ckpt.tmp-1-abc"
+    other.write_bytes(b"another file's temporary")
+    os.utime(other, (0, 0))
+    concurrent = tmp_path / ".last.ckpt.tmp-1-def"
+
+    def write(temporary: str) -> None:
+        concurrent.write_bytes(b"written while this write runs")
+        torch.save({"step": 2}, temporary)
+
+    checkpoint_files.write_atomically(str(path), write)
+    assert sorted(os.listdir(tmp_path)) == sorted(["last.ckpt", other.name, concurrent.name]), abandoned
+    assert torch.load(path, weights_only=True) == {"step": 2}
 
 
 def test_a_link_planted_in_a_shared_folder_is_not_written_through(tmp_path) -> None:

@@ -230,17 +230,23 @@ def test_uneven_validation_logged_per_step_names_each_ranks_batches(tmp_path: Pa
         assert "use_distributed_sampler=True" in error and "on_step=False, on_epoch=True" in error, error
 
 
-def test_uneven_validation_whose_short_rank_trains_on_is_reported_with_each_ranks_batches(tmp_path: Path) -> None:
+def test_uneven_validation_whose_short_rank_trains_on_raises_on_every_rank_with_each_ranks_batches(
+    tmp_path: Path,
+) -> None:
     """The last rank's validation has two batches, the others' three, each all-gathering its loss: the last rank
-    ends its pass and waits at the start of the next epoch while the others wait in their third gather (another
-    communicator, so the stall watchdog finds it). The report names each rank's pass."""
+    ends its pass and checks the start of the next epoch, which meets the others' third gather in one fingerprint
+    check. Every rank raises, naming each rank's call and pass."""
     code, output = _run("trainer", "uneven_validation_gather", "flat", 3, tmp_path)
-    assert code == STALL_EXIT_CODE, output[-4000:]
+    assert code == 1, output[-4000:]
+    at = f"tests/strategy/scripts/{_line_of('validation gather')}"
+    calls = [f"rank {rank}: allgather(float32[1], dim=0) at {at}" for rank in (0, 1)]
+    expected = "; ".join([*calls, "rank 2: training epoch start(epoch=1) at "])
     passes = "(ranks 0-1: validation, 3 batches; rank 2: validation, 2 batches, ended)"
-    for rank in range(3):
-        report = output[output.index(f"stall (reported on rank {rank})") :]
-        assert f"The ranks' evaluation data differs {passes}" in report.split("[mpistrategy]")[0], report
-    assert re.search(rf"rank 0 \(.*\): waiting \d+\.\d s in allgather.* at \S*{_line_of('validation gather')}", output)
+    errors = [line for line in output.splitlines() if line.startswith("mpistrategy.comm.errors.CommunicationError")]
+    assert len(errors) == 3, output[-4000:]
+    for error in errors:
+        assert expected in error and f"The ranks' evaluation data differs {passes}" in error, error
+    assert "aborting all ranks" not in output
 
 
 def test_uneven_validation_logged_per_pass_finishes(tmp_path: Path) -> None:
@@ -288,3 +294,23 @@ def test_fabric_rank_waiting_for_a_rank_that_ended_its_script_is_reported_long_b
             rf"\S*{re.escape(_line_of('backward'))}\. It made a collective call that rank 1 did not make",
             output,
         ), output[-4000:]
+
+
+def test_a_rank_with_more_epochs_than_the_others_raises_on_every_rank_at_its_next_epoch(tmp_path: Path) -> None:
+    """The ranks that end training meet the longer rank's check at its next epoch in one fingerprint check: every
+    rank raises naming both calls, within seconds (the others would wait in the strategy's teardown)."""
+    code, output = _run("trainer", "more_epochs", "flat", 3, tmp_path)
+    assert code != 0 and code != STALL_EXIT_CODE, output[-4000:]
+    at = _line_of("fit")  # the call site as every rank names it: the script's path ends with it
+    calls = [f"rank {rank}: training end(epoch=1, step=4) at tests/strategy/scripts/{at}" for rank in (0, 1)]
+    expected = "; ".join([*calls, f"rank 2: training epoch start(epoch=1) at tests/strategy/scripts/{at})"])
+    assert output.count(expected) >= 3, output[-4000:]
+
+
+def test_a_rank_with_more_steps_than_the_others_is_reported_long_before_the_stall_timeout(tmp_path: Path) -> None:
+    """The ranks that end training wait in their end-of-training check while the longer rank waits in its gradient
+    sync: the watchdog proves that neither call can complete."""
+    output = _reported_soon("trainer", "more_steps", 2, tmp_path)
+    assert "ranks wait for each other in different collectives" in output
+    assert "rank 0 waits in training end(epoch=2, step=5) #" in output
+    assert "rank 1 waits in gradient sync(training batch=5)" in output

@@ -70,6 +70,26 @@ class _Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.mpi(ranks=(1, 2, 3), timeout=60)
+def test_fit_starts_from_the_seed_of_seed_everything_as_under_ddp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's DDP sets ``seed_everything``'s seed again when it sets up, so the random stream a model with
+    dropout draws from at the first step does not depend on what was drawn before ``fit`` (building the model)."""
+    for variable in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # seed_everything sets them; the later tests run without
+        monkeypatch.setenv(variable, "0")
+    L.seed_everything(7, verbose=False)
+    seeded = torch.get_rng_state()
+    states: list[torch.Tensor] = []
+
+    class AtFitStart(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            states.append(torch.get_rng_state())
+
+    model = Regressor(mlp())  # seeds and draws the global stream
+    assert not torch.equal(torch.get_rng_state(), seeded)
+    trainer(strategy=MPIADStrategy(), max_steps=1, callbacks=[AtFitStart()]).fit(model, loader(regression_data(8), 4))
+    assert torch.equal(states[0], seeded)
+
+
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
 def test_distributed_sampler_sync_dist_and_all_gather_in_module() -> None:
     per_rank, batches = 2, 3

@@ -3,7 +3,8 @@
 Usage: mpiexec -n 3 python fabric_job.py MODE DIRECTORY
 
 MODE: raise (rank 1 raises in its training loop while the others go on to the next collective), usr1 (rank 1 sends
-itself SIGUSR1; every rank catches the coordinated stop, saves DIRECTORY/stop.ckpt and exits 75).
+itself SIGUSR1; every rank catches the coordinated stop, saves DIRECTORY/stop.ckpt and exits 75), mismatch (every
+rank all-reduces at step 3, rank 1 a tensor of another shape: every rank raises the collective's error).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-import mpistrategy  # noqa: F401  (registers "mpi_ad")
+import mpistrategy as ms  # registers "mpi_ad"
 from mpistrategy.strategy import StopRequested
 
 MODE, DIRECTORY = sys.argv[1], sys.argv[2]
@@ -42,11 +43,16 @@ def signal_self(step: int) -> None:
     os.kill(os.getpid(), signal.SIGUSR1)
 
 
-MISBEHAVE = {"raise": fail, "usr1": signal_self}[MODE]
+def all_reduce_another_shape(step: int) -> None:
+    mark("FAILING")
+    ms.allreduce(torch.zeros(3 if rank == 1 else 4))
+
+
+MISBEHAVE = {"raise": fail, "usr1": signal_self, "mismatch": all_reduce_another_shape}[MODE]
 
 
 def train_one_step(step: int) -> None:
-    if (rank, step) == (1, TRIGGER_STEP):
+    if step == TRIGGER_STEP and (rank == 1 or MODE == "mismatch"):
         MISBEHAVE(step)
     x = torch.randn(8, 4)
     fabric.backward(model(x).pow(2).mean())

@@ -13,7 +13,9 @@ last one 1.5 s after the others). Uneven validation data (Trainer): "uneven_vali
 batch more; the loss is logged per step with ``sync_dist=True``), "uneven_validation_gather" (the last rank has two
 validation batches, the others three; each batch all-gathers its loss; two epochs: after the first epoch's
 validation the last rank goes on to train while the others wait in their third gather),
-"uneven_validation_per_epoch" (as "uneven_validation", logged per pass only: healthy).
+"uneven_validation_per_epoch" (as "uneven_validation", logged per pass only: healthy). Other stopping conditions
+on the last rank (Trainer): "more_epochs" (max_epochs 2, the others 1), "more_steps" (max_steps 6, the others 3,
+in the second epoch).
 """
 
 import os
@@ -121,6 +123,10 @@ class Model(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    def on_train_end(self) -> None:
+        if case.startswith("more_") and RANK != LATE:
+            say(f"HANG {time.time()}")
+
 
 def saves() -> bool:
     """Whether this rank saves a checkpoint at batch 1 (the last rank 1.5 s after the others)."""
@@ -149,11 +155,13 @@ def loader() -> DataLoader | dict[str, DataLoader]:
 
 
 options = {"sync": SYNCS[sync_name](), "ranks_per_node": 1}
+LONGER = case in ("more_epochs", "more_steps") and RANK == LATE  # trains longer than the others
 if framework == "trainer":
     trainer = L.Trainer(
         strategy=MPIADStrategy(**options),
         accelerator="cpu",
-        max_epochs=2 if case in ("uneven_stream", "uneven_validation_gather") else 1,
+        max_epochs=2 if case in ("uneven_stream", "uneven_validation_gather", "more_steps") or LONGER else 1,
+        max_steps=(6 if LONGER else 5) if case == "more_steps" else -1,
         limit_train_batches=10 if case == "capped_stream" else None,
         logger=False,
         enable_progress_bar=False,
