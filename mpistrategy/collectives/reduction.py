@@ -519,7 +519,7 @@ def _reduce_scatter_arguments(
             f"{what}: sizes={sizes} must give one non-negative block length per rank ({comm.size}) "
             f"adding up to the length {length} of dimension {dim}."
         )
-    return signature(tensor, _OP_CODES[op], dim, grad_flag(tensor), *sizes), (sizes, dim)
+    return signature(tensor, _OP_CODES[op], grad_flag(tensor), dim, *sizes), (sizes, dim)
 
 
 def _reduce_scatter(
@@ -536,7 +536,7 @@ def _reduce_scatter(
     sizes, dim = checked(
         comm,
         what,
-        "dtype, shape, op, requires_grad and sizes",
+        "dtype, shape, op, requires_grad, dim and sizes",
         _reduce_scatter_arguments,
         what,
         tensor,

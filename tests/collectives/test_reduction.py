@@ -132,6 +132,26 @@ def test_dtype_and_op_errors_raise_on_every_rank() -> None:
         ms.reduce(torch.ones(2, dtype=torch.complex64), op="bxor")
 
 
+def test_a_reduce_scatter_disagreement_names_each_ranks_sizes_and_requires_grad() -> None:
+    """The error shows the arguments as each rank gave them: ``sizes`` (and ``requires_grad`` where set)."""
+    if size() == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    length = size() - 1
+    first, last = [length] + [0] * length, [0] * length + [length]  # rank 0's blocks, the others'
+    with pytest.raises(CommunicationError) as refused:
+        ms.reduce_scatter_v(torch.ones(length), sizes=first if rank() == 0 else last)
+    for who, blocks in ((0, first), (1, last)):
+        call = f"rank {who}: reduce_scatter_v(float32[{length}], op=sum, dim=0, sizes={', '.join(map(str, blocks))})"
+        assert call in str(refused.value), str(refused.value)
+    with pytest.raises(CommunicationError) as refused:
+        ms.reduce_scatter(torch.ones(size(), requires_grad=rank() == 0))
+    blocks = ", ".join(["1"] * size())
+    assert f"rank 0: reduce_scatter(float32[{size()}], op=sum, requires_grad=1, dim=0, sizes={blocks}) at" in str(
+        refused.value
+    )
+    assert f"rank 1: reduce_scatter(float32[{size()}], op=sum, dim=0, sizes={blocks}) at" in str(refused.value)
+
+
 def test_mismatched_shapes_raise_communication_error_on_every_rank() -> None:
     if size() == 1:
         pytest.skip("one rank cannot disagree with itself")
