@@ -38,6 +38,8 @@ ACTIVATION_TAG = 7
 class PipelineMLP(nn.Module):
     """This rank's stage of the pipeline MLP over ``comm`` (default ``MPI.COMM_WORLD``)."""
 
+    model_parallel = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
+
     def __init__(
         self,
         in_features: int,
@@ -171,7 +173,6 @@ class PipelineMLPClassifier(ClassifierModule):
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.micro_batches = micro_batches
         self.net = PipelineMLP(in_features, hidden, layers_per_stage, num_classes)
-        self.model_parallel = True
 
     def _shared(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The last stage's (detached) tensor on every rank."""

@@ -44,6 +44,8 @@ def _split(total: int, parts: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """``y[:, slice_r] = x @ W[slice_r].T + b[slice_r]`` on rank r: replicated input, feature-sharded output."""
 
+    model_parallel = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
+
     def __init__(self, in_features: int, out_features: int, comm: MPI.Comm | None = None, bias: bool = True) -> None:
         super().__init__()
         self.comm = comm if comm is not None else MPI.COMM_WORLD
@@ -79,6 +81,8 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """``y = sum_r x[:, slice_r] @ W[:, slice_r].T + b``: feature-sharded input, replicated output."""
+
+    model_parallel = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
 
     def __init__(self, in_features: int, out_features: int, comm: MPI.Comm | None = None, bias: bool = True) -> None:
         super().__init__()
@@ -216,8 +220,6 @@ class TensorParallelMLPClassifier(ClassifierModule):
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         dense = TensorParallelMLP.dense_twin(in_features, hidden, depth, num_classes)
         self.net = TensorParallelMLP.from_dense(dense)
-        # Same batches on every rank; parameters are sharded, not replicated: no data-parallel gradient averaging.
-        self.model_parallel = True
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         gather_model_parallel_state(self, checkpoint, self.net.dense_state())

@@ -146,25 +146,22 @@ def _reference_training(depth: int, hidden: int, steps: int, batch_size: int) ->
     return model.net
 
 
-def _fit_model_parallel(module, steps: int, batch_size: int) -> None:
+def _quiet_trainer(strategy, **options):
+    """A CPU Trainer without logger, checkpoints, progress bar, summary and validation."""
     import lightning as L
+
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(
+        strategy=strategy, accelerator="cpu", num_sanity_val_steps=0, limit_val_batches=0, **quiet, **options
+    )
+
+
+def _fit_model_parallel(module, steps: int, batch_size: int) -> None:
 
     from mpistrategy.recipes.data import DigitsDataModule
     from mpistrategy.recipes.model_parallel import ModelParallelMPIStrategy
 
-    trainer = L.Trainer(
-        strategy=ModelParallelMPIStrategy(),
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer = _quiet_trainer(ModelParallelMPIStrategy(), max_steps=steps, use_distributed_sampler=False)
     trainer.fit(module, datamodule=DigitsDataModule(batch_size=batch_size, same_batches_on_all_ranks=True))
     assert trainer.global_step == steps
 
@@ -202,3 +199,40 @@ def test_lightning_pipeline_recipe_trains_like_the_single_process_mlp() -> None:
     _fit_model_parallel(module, steps, batch)
     depth = MPI.COMM_WORLD.size * 1 - 1
     _assert_dense_equal(module.net.to_dense(), _reference_training(depth, 32, steps, batch), atol=1e-4)
+
+
+class _MarkedOnRankZero(nn.Module):
+    """A layer that declares its parameters split across the ranks on rank 0 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+        self.model_parallel = MPI.COMM_WORLD.rank == 0
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=180)
+@pytest.mark.parametrize("model", ["tp_mlp", "pipeline_mlp", "marked_on_rank_0"])
+def test_data_parallel_mpi_ad_refuses_a_model_split_across_the_ranks(model: str) -> None:
+    """Broadcasting rank 0's slices and averaging the gradients would silently train another model: every rank
+    raises at setup, naming the split module and the strategy to use, and trains nothing."""
+    from functools import partial
+
+    from mpistrategy.recipes.data import DigitsDataModule
+    from mpistrategy.recipes.models import MLPClassifier
+    from mpistrategy.recipes.pipeline import PipelineMLPClassifier
+    from mpistrategy.recipes.tensor_parallel import TensorParallelMLPClassifier
+    from mpistrategy.strategy import MPIADStrategy
+
+    sgd = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    if model == "tp_mlp":
+        module, named = TensorParallelMLPClassifier(64, 48, 1, 10, optimizer=sgd), "'net.layers.0'"
+    elif model == "pipeline_mlp":
+        module, named = PipelineMLPClassifier(64, 32, 1, 10, optimizer=sgd), "'net'"
+    else:
+        module, named = MLPClassifier(64, 32, 1, 10, optimizer=sgd), "'net.marked'"
+        module.net.add_module("marked", _MarkedOnRankZero())
+    trainer = _quiet_trainer(MPIADStrategy(), max_steps=2)
+    with pytest.raises(ValueError, match=r"model_parallel = True.*MPIADStrategy\(data_parallel=False\)") as raised:
+        trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
+    assert f"rank 0's {named}" in str(raised.value)
+    assert trainer.global_step == 0
