@@ -4,6 +4,7 @@ output, exit codes and timing): the marker that keeps them out of MPI jobs, and 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from typing import IO
 
 import pytest
 
+from mpistrategy.comm import flight
 from mpistrategy.launch import mpiexec_command
 from tests import job_processes
 from tests.mpi_harness import NRANKS_ENV, clean_environ
@@ -91,3 +93,13 @@ def marked_line(script: Path, marker: str) -> str:
         if text.endswith(f"# marker: {marker}"):
             return f"{script.name}:{number}"
     raise AssertionError(f"no line of {script} ends with '# marker: {marker}'")
+
+
+def assert_desync_recorded(directory: Path, ranks: int, reason: str) -> None:
+    """Every rank wrote its flight record for the ``CommunicationError`` it ended with (``reason`` matches its
+    start), with the calls that led there."""
+    records = flight.load(directory)
+    assert sorted(records) == list(range(ranks)), sorted(records)
+    for record in records.values():
+        assert re.match(reason, record["reason"]), record["reason"]
+        assert record["calls"], record

@@ -46,6 +46,7 @@ from mpi4py import MPI
 from mpistrategy.comm import calls, flight, watchdog
 from mpistrategy.comm.abort import abort_job
 from mpistrategy.comm.communicator import world_ranks
+from mpistrategy.comm.errors import CommunicationError
 
 # The launcher forwards each rank's output through a pipe and stops forwarding when Abort tears the job down:
 # without a pause the traceback just written could be lost (seen once in ~40 runs of the failure tests).
@@ -126,10 +127,19 @@ def install_excepthook() -> None:
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         if not raised_on_every_rank(error) and not watchdog.every_rank_raised(RAISED_TOGETHER_SECONDS):
             abort(error, tb)  # does not return with more than one rank
+        record_desync(error)
         previous(kind, error, tb)
 
     sys.excepthook = hook
     _excepthook_installed = True
+
+
+def record_desync(error: BaseException) -> None:
+    """Write this rank's flight record when ``error``, which ends the rank without an abort, is a
+    ``CommunicationError`` (ranks that disagreed on a collective): their last calls show how they got there."""
+    if isinstance(error, CommunicationError) and _world()[1] > 1 and not getattr(error, "_mpistrategy_recorded", False):
+        error._mpistrategy_recorded = True  # type: ignore[attr-defined]
+        flight.dump(f"{type(error).__name__}: {error}")
 
 
 def report_os_exit() -> None:

@@ -417,10 +417,11 @@ class MPIADStrategyMixin(MPIStrategyBase):
         raised in step within :data:`~mpistrategy.strategy.failures.RAISED_TOGETHER_SECONDS` (an invalid
         hyperparameter of a sweep's point: the ranks are free to run the next point)."""
         passes.leave_evaluation()
-        if failures.raised_on_every_rank(exception) or not self.abort_on_exception:
+        if not self.abort_on_exception:
             return
-        if watchdog.every_rank_raised(failures.RAISED_TOGETHER_SECONDS):
+        if failures.raised_on_every_rank(exception) or watchdog.every_rank_raised(failures.RAISED_TOGETHER_SECONDS):
             failures.mark_raised_on_every_rank(exception)
+            failures.record_desync(exception)
             return
         failures.abort(exception)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
-from tests.external_job import OUTER_RUN_ONLY, run_mpi_job
+from tests.external_job import OUTER_RUN_ONLY, assert_desync_recorded, run_mpi_job
 
 SCRIPT = Path(__file__).parent / "scripts" / "fabric_job.py"
 RANKS = 3
@@ -20,8 +20,8 @@ TIMEOUT = 240.0  # generous: three ranks import torch and Lightning on a loaded 
 pytestmark = OUTER_RUN_ONLY
 
 
-def _run(mode: str, directory: str) -> tuple[int, str, float]:
-    return run_mpi_job(SCRIPT, RANKS, mode, directory, timeout=TIMEOUT)
+def _run(mode: str, directory: str, **env: str) -> tuple[int, str, float]:
+    return run_mpi_job(SCRIPT, RANKS, mode, directory, timeout=TIMEOUT, **env)
 
 
 def test_rank_raising_ends_every_rank_with_its_traceback(tmp_path: Path) -> None:
@@ -37,14 +37,15 @@ def test_rank_raising_ends_every_rank_with_its_traceback(tmp_path: Path) -> None
 
 def test_an_error_every_rank_raises_in_step_ends_each_rank_without_an_abort(tmp_path: Path) -> None:
     """A collective called with another shape on one rank raises on every rank, in step: each rank exits with its
-    own traceback, and nothing is aborted."""
-    code, output, ended = _run("mismatch", str(tmp_path))
+    own traceback and its flight record, and nothing is aborted."""
+    code, output, ended = _run("mismatch", str(tmp_path), MPISTRATEGY_FLIGHT_DIR=str(tmp_path / "flight"))
     assert code == 1, output[-4000:]
     failed_at = re.search(r"FAILING rank=1 time=([0-9.]+)", output)
     assert failed_at, output[-4000:]
     assert ended - float(failed_at.group(1)) < SECONDS_TO_END
     assert output.count("CommunicationError: allreduce: ranks disagree") == RANKS, output[-4000:]
     assert "aborting all ranks" not in output and "FINISHED" not in output
+    assert_desync_recorded(tmp_path / "flight", RANKS, r"CommunicationError: allreduce: ranks disagree")
 
 
 def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:

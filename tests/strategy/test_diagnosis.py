@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mpistrategy.comm.watchdog import STALL_EXIT_CODE
-from tests.external_job import OUTER_RUN_ONLY, marked_line, run_mpi_job
+from tests.external_job import OUTER_RUN_ONLY, assert_desync_recorded, marked_line, run_mpi_job
 
 pytestmark = OUTER_RUN_ONLY
 
@@ -67,6 +67,7 @@ def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Pa
     )
     assert re.search(message, output), output[-4000:]
     assert "aborting all ranks" not in output  # every rank raised it in step: each exits with its own error
+    assert_desync_recorded(tmp_path, 2, r"CommunicationError: gradient sync: ranks disagree on the training batch")
 
 
 def test_trainer_rank_skipping_a_backward_pass_of_a_resumable_loader_ends_the_job_at_once(tmp_path: Path) -> None:
@@ -305,6 +306,9 @@ def test_a_rank_with_more_epochs_than_the_others_raises_on_every_rank_at_its_nex
     calls = [f"rank {rank}: training end(epoch=1, step=4) at tests/strategy/scripts/{at}" for rank in (0, 1)]
     expected = "; ".join([*calls, f"rank 2: training epoch start(epoch=1) at tests/strategy/scripts/{at})"])
     assert output.count(expected) >= 3, output[-4000:]
+    assert_desync_recorded(
+        tmp_path, 3, r"CommunicationError: training (end|epoch start): ranks called different collectives"
+    )
 
 
 def test_a_rank_with_more_steps_than_the_others_is_reported_long_before_the_stall_timeout(tmp_path: Path) -> None:
