@@ -5,9 +5,10 @@ Each rank keeps its last ``MPISTRATEGY_FLIGHT_RECORDS`` (256) collectives in the
 (:mod:`mpistrategy.comm.calls`): op, arguments (dtype, shape, op, root, ...), the communicator's members, the call's
 number on it, call site, start time and duration. :func:`dump` writes them to ``<directory>/rank<r>.json``
 (atomically) with the reason: the stall watchdog (with every rank's state), an abort on an exception or a
-``CommunicationError`` that ends the rank (:mod:`mpistrategy.strategy.failures`), SIGUSR1 (the process goes on; installed when mpistrategy is imported,
-unless the program has a handler of its own) and the strategy's coordinated stop on SIGTERM or SIGUSR1. The
-directory is ``MPISTRATEGY_FLIGHT_DIR``, or :func:`set_flight_directory`, default ``./mpistrategy_flight``.
+``CommunicationError`` that ends the rank (:mod:`mpistrategy.strategy.failures`), SIGUSR1 (the process goes on;
+installed when mpistrategy is imported, unless the program has a handler of its own) and the strategy's coordinated
+stop on SIGTERM or SIGUSR1. The directory is ``MPISTRATEGY_FLIGHT_DIR``, or :func:`set_flight_directory`, default
+``./mpistrategy_flight``.
 
 ``mpistrategy-flight DIR`` reads every ``rank*.json`` in ``DIR`` and, per communicator, walks the calls that every
 rank still holds in order of their number: the first number at which ranks called different ops or arguments, or
