@@ -9,6 +9,8 @@ adds zero and links the graphs), so the backward collective runs on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -47,10 +49,18 @@ class Placeholder:
             f"requires_grad={self.requires_grad})"
         )
 
-    def backward(self) -> None:
-        """Run this rank's part of the op's backward (this rank contributes a zero cotangent)."""
+    def backward(
+        self,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Run this rank's part of the op's backward, taking :meth:`torch.Tensor.backward`'s arguments, so that one
+        line serves the rank that holds the value and the others. This rank contributes a zero cotangent: the value
+        is not here, so ``gradient`` (the holder's cotangent) is not used."""
         if self._anchor.grad_fn is not None:
-            self.as_loss_term().backward()
+            self.as_loss_term().backward(retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
     def as_loss_term(self) -> torch.Tensor:
         """A real scalar zero linked to the op's graph (for complex values too), to add to a loss."""

@@ -277,6 +277,27 @@ def test_reduce_to_a_non_zero_root(op: str) -> None:
     assert_adjoint(lambda t: ms.reduce(t, root=root, op=op), x, seed=11)
 
 
+def test_one_backward_line_for_every_rank_takes_tensor_backwards_arguments() -> None:
+    """``out.backward(...)`` written once for the root's tensor and the others' Placeholder: ``retain_graph`` lets
+    it run twice (the gradient doubles), ``inputs`` limits what accumulates, and ``create_graph`` is refused on every
+    rank (reduce has no second derivative) with the ranks still in step."""
+    x = strided((2, 3), seed=12).requires_grad_(True)
+    w = random_like_rank((2, 3), seed=13).requires_grad_(True)
+    out = ms.reduce(x * w, root=0)
+    loss = out.sum() if rank() == 0 else out
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+    assert torch.equal(x.grad, 2 * w.detach()) and torch.equal(w.grad, 2 * x.detach())
+    x.grad, w.grad = None, None
+    loss.backward(inputs=[x])
+    assert torch.equal(x.grad, w.detach()) and w.grad is None
+    out = ms.reduce(x * w, root=0)
+    loss = out.sum() ** 2 if rank() == 0 else out
+    with pytest.raises(RuntimeError, match="^reduce: its gradient cannot be differentiated again"):
+        loss.backward(create_graph=True)
+    assert COMM.allreduce(1) == size()
+
+
 def test_reduce_root_out_of_range_raises_on_every_rank() -> None:
     with pytest.raises(ValueError, match="root"):
         ms.reduce(torch.ones(2), root=size())
