@@ -380,7 +380,8 @@ _BACKWARD_ADVICE = (
     " Every rank must backpropagate through the same collectives: a rank whose loss does not use an op's output "
     "skips that op's backward (autograd prunes it) while the others run it; keep such an output in the loss with "
     "weight zero (loss = loss + 0 * y.sum()) on the ranks that do not need it, and differentiate the same outputs "
-    "with respect to the same inputs on every rank."
+    "with respect to the same inputs on every rank. Wait the handles of non-blocking ops in the same order on "
+    "every rank: backward follows the order of the waits."
 )
 
 

@@ -249,6 +249,27 @@ def test_a_dropped_iallreduce_handle_keeps_its_buffers_until_mpi_is_done(op: str
     assert not handles._parked, "completed requests of dropped handles are still held"
 
 
+@pytest.mark.parametrize("orders", ["same", "per rank"])
+def test_iallreduce_handles_waited_in_another_order_on_some_ranks_raise_in_backward(orders: str) -> None:
+    """Backward follows the order of the waits: the same order everywhere (here the reverse of the posts) gives
+    every gradient; another order on odd ranks raises on every rank, naming the waits."""
+    xs = [random_like_rank((4,), seed=20 + k, dtype=torch.float64).requires_grad_(True) for k in range(3)]
+    handles_ = [ms.iallreduce(x, op) for x, op in zip(xs, ["sum", "avg", "prod"], strict=True)]
+    order = [1, 2, 0] if orders == "per rank" and rank() % 2 else [2, 1, 0]
+    results = {k: handles_[k].wait() for k in order}
+    loss = sum((k + 1) * results[k].sum() for k in range(3))
+    if orders == "per rank" and size() > 1:
+        with pytest.raises(CommunicationError, match="backward follows the order of the waits"):
+            loss.backward()
+        return
+    loss.backward()
+    everyone = _stacked(torch.stack([x.detach() for x in xs]))  # [rank, k, element]
+    others = everyone[:, 2].prod(0) / xs[2].detach()
+    torch.testing.assert_close(xs[0].grad, torch.full((4,), float(size()), dtype=torch.float64))
+    torch.testing.assert_close(xs[1].grad, torch.full((4,), 2.0, dtype=torch.float64))
+    torch.testing.assert_close(xs[2].grad, 3.0 * size() * others)
+
+
 def test_iallreduce_errors_raise_on_every_rank() -> None:
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(ValueError, match="no_grad"):
