@@ -76,6 +76,14 @@ def _pack_group(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
         flat.copy_(torch.cat(pieces))
 
 
+def _to_wire(flat: torch.Tensor, wire: torch.Tensor, scale: float) -> None:
+    """``wire`` <- ``scale * flat`` in ``wire``'s dtype (in place where ``wire`` is ``flat``)."""
+    if scale != 1.0:
+        torch.mul(flat, scale, out=wire)
+    elif wire.data_ptr() != flat.data_ptr():
+        wire.copy_(flat)
+
+
 @dataclass
 class Averaging:
     """A mean of the state in flight; :meth:`result` completes it and returns the flat means (one per dtype)."""
@@ -204,6 +212,9 @@ class ModelAverager:
 
         ``wire_dtype`` (``torch.bfloat16`` or ``torch.float16``) halves the inter-node bytes; ``None`` sends the
         state's own dtype. ``source`` (``"nodes"`` route only): average only the state of this rank of each node.
+        On the ``"nodes"`` route in a ``wire_dtype``, each node sends its sum scaled to ``N / P`` (its mean, with
+        nodes of equal size) and the nodes' sum is divided by ``N``: the value on the wire is a rank's state, not
+        ``P / N`` times it, so it overflows float16 no sooner than one rank's state and rounds as one rank's does.
         """
         if wire_dtype is not None and wire_dtype not in HALF_DTYPES:
             raise ValueError(f"ModelAverager: wire_dtype={wire_dtype} must be None, torch.bfloat16 or torch.float16.")
@@ -211,6 +222,10 @@ class ModelAverager:
         if source is not None:
             if self.node is None or not 0 <= source < self.node.size:
                 raise ValueError(f"ModelAverager: source={source} must be a rank of the node on the 'nodes' route.")
+            contributors = self.topology.num_nodes
+        node_scale = 1.0
+        if wire_dtype is not None and source is None and self.route == "nodes":
+            node_scale = self.topology.num_nodes / self.topology.size
             contributors = self.topology.num_nodes
         index = self._started % 2
         previous = self._in_flight[index]
@@ -251,9 +266,9 @@ class ModelAverager:
                 wires.append(wire)
                 self.traffic.add(INTER_NODE if spans_nodes else NODE, wire.nbytes)
                 if comm.size > 1:
-                    requests += self._post(comm, flat, wire)
-                elif wire is not flat:
-                    wire.copy_(flat)
+                    requests += self._post(comm, flat, wire, node_scale)
+                else:
+                    _to_wire(flat, wire, node_scale)
         averaging = Averaging(self, flats, wires, requests, drive(requests), shared_set, contributors)
         self._in_flight[index] = averaging
         self._started += 1
@@ -271,14 +286,14 @@ class ModelAverager:
             wire = self._wires[key] = torch.empty(numel, dtype=dtype)
         return wire
 
-    def _post(self, comm: Communicator, flat: torch.Tensor, wire: torch.Tensor) -> list[MPI.Request]:
+    def _post(self, comm: Communicator, flat: torch.Tensor, wire: torch.Tensor, scale: float) -> list[MPI.Request]:
         """Start the sum of ``wire`` over ``comm`` in chunks; each chunk is converted from ``flat`` (when ``wire``
-        is a lower-precision copy) just before it is sent, so that the first travels while the next converts."""
+        is a lower-precision copy) and scaled just before it is sent, so that the first travels while the next
+        converts."""
         requests = []
         for begin in range(0, wire.numel(), self.chunk_elements):
             chunk = wire[begin : begin + self.chunk_elements]
-            if wire is not flat:
-                chunk.copy_(flat[begin : begin + self.chunk_elements])
+            _to_wire(flat[begin : begin + self.chunk_elements], chunk, scale)
             if wire.dtype in HALF_DTYPES:
                 requests.append(comm.forward.Iallreduce(MPI.IN_PLACE, half_buffer(chunk), half_sum(wire.dtype)))
             else:

@@ -326,6 +326,32 @@ def test_precision_of_every_average(downcast_all_phases: bool) -> None:
     daso.finish()
 
 
+@pytest.mark.mpi(ranks=(3, 6), timeout=120)
+@pytest.mark.parametrize("downcast", ["bfloat16", "float16"])
+def test_a_blocking_average_on_nodes_of_three_sends_heats_model(downcast: str) -> None:
+    """Nodes of 3 ranks holding the same model each (node-local averaging): the blocking average sends one rank's
+    model in ``downcast`` as heat does, so it equals heat's ``(sum_n half(x_n)) / N`` exactly, and a model whose
+    nodes' sum fits float16 (2 x 20000 < 65504; 6 x 20000 does not) stays finite."""
+    topo = topology(ranks_per_node=3)
+    half = getattr(torch, downcast)
+    module = nn.Linear(16, 16, bias=False)
+    node = topo.rank // 3
+    with torch.no_grad():
+        if downcast == "float16":
+            module.weight.fill_(20000.0 + node)
+        else:
+            module.weight.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(node)))
+    models = [torch.tensor(w) for w in topo.control.allgather(module.weight.tolist())[::3]]  # one rank per node
+    heat = sum(model.to(half).float() for model in models).to(half).float() / topo.num_nodes
+    daso = DASO(warmup_epochs=1, cooldown_epochs=0, downcast=downcast)
+    daso.setup(SyncContext(module, topo, MeanAggregator()))
+    daso.begin_epoch(0, 1, 2)
+    daso.after_optimizer_step()
+    daso.end_epoch()
+    daso.finish()
+    assert torch.equal(module.weight.detach(), heat)
+
+
 @pytest.mark.mpi(ranks=(4,), timeout=60)
 @pytest.mark.parametrize("phase", ["blocking", "cycling"])
 def test_a_parameter_that_is_not_finite_raises_on_every_rank(phase: str) -> None:
