@@ -471,9 +471,10 @@ class DASO(SyncMode):
             if bad:
                 raise FloatingPointError(
                     f"daso: the model averaged across nodes (sent at step {sent_at} of epoch {self.state.epoch}) "
-                    f"holds {bad} values that are NaN or infinite: a rank's parameters were not finite when sent "
-                    "(the loss diverged: lower the learning rate or clip the gradients; check_finite=False lets "
-                    "it through)."
+                    f"holds {bad} values that are NaN or infinite: a rank's parameters were not finite when sent, "
+                    "or the nodes' sum exceeded the downcast dtype (float16: 65504) (the loss diverged: lower the "
+                    "learning rate or clip the gradients; downcast='bfloat16' has float32's range; "
+                    "check_finite=False lets it through)."
                 )
         return mean
 
