@@ -38,7 +38,7 @@ ACTIVATION_TAG = 7
 class PipelineMLP(nn.Module):
     """This rank's stage of the pipeline MLP over ``comm`` (default ``MPI.COMM_WORLD``)."""
 
-    model_parallel = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
+    split_across_ranks = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
 
     def __init__(
         self,

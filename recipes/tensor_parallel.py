@@ -44,7 +44,7 @@ def _split(total: int, parts: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """``y[:, slice_r] = x @ W[slice_r].T + b[slice_r]`` on rank r: replicated input, feature-sharded output."""
 
-    model_parallel = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
+    split_across_ranks = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
 
     def __init__(self, in_features: int, out_features: int, comm: MPI.Comm | None = None, bias: bool = True) -> None:
         super().__init__()
@@ -82,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``y = sum_r x[:, slice_r] @ W[:, slice_r].T + b``: feature-sharded input, replicated output."""
 
-    model_parallel = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
+    split_across_ranks = True  # its parameters are this rank's own: data-parallel mpi_ad refuses the module
 
     def __init__(self, in_features: int, out_features: int, comm: MPI.Comm | None = None, bias: bool = True) -> None:
         super().__init__()

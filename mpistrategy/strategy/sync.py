@@ -216,13 +216,13 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: MPI.Intracomm, root: in
 def check_same_module(module: nn.Module, comm: MPI.Intracomm, reference: int = 0) -> None:
     """Collective: raise ``ValueError`` on every rank if the names, shapes or dtypes of ``module``'s parameters and
     buffers differ between the ranks, naming the first difference from rank ``reference``'s, or if a rank's
-    ``module`` has submodules that declare their parameters split across the ranks (``model_parallel = True``:
+    ``module`` has submodules that declare their parameters split across the ranks (``split_across_ranks = True``:
     tensor- or pipeline-parallel layers, which rank 0's values would overwrite and gradient averaging would mix)."""
     mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in _named_state(module)]
     split = [
         name or type(module).__name__
         for name, child in module.named_modules()
-        if getattr(child, "model_parallel", False)
+        if getattr(child, "split_across_ranks", False)
     ]
     everyone = comm.allgather((split, mine))
     marked = [(rank, names) for rank, (names, _) in enumerate(everyone) if names]
@@ -231,7 +231,7 @@ def check_same_module(module: nn.Module, comm: MPI.Intracomm, reference: int = 0
         listing = ", ".join(repr(name) for name in names[:3]) + (" ..." if len(names) > 3 else "")
         raise failures.mark_raised_on_every_rank(
             ValueError(
-                f"rank {rank}'s {listing} hold(s) parameters split across the ranks (model_parallel = True), which "
+                f"rank {rank}'s {listing} hold(s) parameters split across the ranks (split_across_ranks = True), which "
                 "data-parallel mpi_ad would overwrite with rank 0's and whose gradients it would average; use "
                 "MPIADStrategy(data_parallel=False) (strategy=mpi_ad_model_parallel in the Hydra configs)."
             )

@@ -207,7 +207,7 @@ class _MarkedOnRankZero(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(64, 10)
-        self.model_parallel = MPI.COMM_WORLD.rank == 0
+        self.split_across_ranks = MPI.COMM_WORLD.rank == 0
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=180)
@@ -232,7 +232,7 @@ def test_data_parallel_mpi_ad_refuses_a_model_split_across_the_ranks(model: str)
         module, named = MLPClassifier(64, 32, 1, 10, optimizer=sgd), "'net.marked'"
         module.net.add_module("marked", _MarkedOnRankZero())
     trainer = _quiet_trainer(MPIADStrategy(), max_steps=2)
-    with pytest.raises(ValueError, match=r"model_parallel = True.*MPIADStrategy\(data_parallel=False\)") as raised:
+    with pytest.raises(ValueError, match=r"split_across_ranks = True.*MPIADStrategy\(data_parallel=False\)") as raised:
         trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
     assert f"rank 0's {named}" in str(raised.value)
     assert trainer.global_step == 0
