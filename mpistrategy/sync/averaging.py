@@ -219,12 +219,12 @@ class ModelAverager:
         if wire_dtype is not None and wire_dtype not in HALF_DTYPES:
             raise ValueError(f"ModelAverager: wire_dtype={wire_dtype} must be None, torch.bfloat16 or torch.float16.")
         contributors = self.topology.size
+        node_scale = 1.0
         if source is not None:
             if self.node is None or not 0 <= source < self.node.size:
                 raise ValueError(f"ModelAverager: source={source} must be a rank of the node on the 'nodes' route.")
             contributors = self.topology.num_nodes
-        node_scale = 1.0
-        if wire_dtype is not None and source is None and self.route == "nodes":
+        elif wire_dtype is not None and self.route == "nodes":
             node_scale = self.topology.num_nodes / self.topology.size
             contributors = self.topology.num_nodes
         index = self._started % 2
