@@ -237,6 +237,7 @@ class MPIStrategyBase:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         if self.world_size > 1:
             conventions.running.add(self)
+            conventions.sync_torchmetrics()
         super().setup_environment()  # type: ignore[misc]
 
     def _build_engine(
@@ -288,9 +289,10 @@ class MPIStrategyBase:
         computes; returns how many were found."""
         if self.world_size == 1:
             return 0
-        return sync.attach_metric_sync(module, self._gather_metric_state, _true)
+        return sync.attach_metric_sync(module, self.gather_metric_state, conventions.metrics_distributed)
 
-    def _gather_metric_state(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
+    def gather_metric_state(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
+        """Collective: every rank's ``tensor`` (shapes may differ), in rank order; torchmetrics' ``dist_sync_fn``."""
         return sync.gather_tensors(tensor, self.topology.control, world())
 
     @property
@@ -362,10 +364,6 @@ class MPIStrategyBase:
     def teardown(self) -> None:
         conventions.running.discard(self)
         super().teardown()  # type: ignore[misc]
-
-
-def _true() -> bool:
-    return True
 
 
 def _cpus_available() -> int:

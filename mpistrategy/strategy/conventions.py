@@ -12,6 +12,10 @@
   logging on epoch level in distributed setting" only when ``torch.distributed`` is initialised, which mpi_ad never
   needs. :func:`hint_sync_dist` makes that check also true while an mpistrategy strategy with more than one rank
   is set up (:data:`running`).
+- torchmetrics' sync. Under DDP every torchmetrics ``Metric`` gathers its state across ranks when it computes,
+  wherever it lives (the LightningModule, a callback, a metric created in an epoch hook), because its default
+  ``distributed_available_fn`` sees torch.distributed initialised. :func:`sync_torchmetrics` makes such a metric
+  gather over MPI instead, through a strategy in :data:`running`, while torch.distributed is not initialised.
 """
 
 from __future__ import annotations
@@ -139,3 +143,44 @@ def hint_sync_dist(result_module: ModuleType) -> None:
 
     distributed._mpistrategy = True  # type: ignore[attr-defined]
     result_module._distributed_is_initialized = distributed  # type: ignore[attr-defined]
+
+
+def sync_torchmetrics() -> None:
+    """Make ``torchmetrics.Metric.sync`` gather over MPI, through a strategy in :data:`running`, for a metric that
+    keeps torchmetrics' default ``distributed_available_fn`` while torch.distributed is not initialised (idempotent;
+    nothing without torchmetrics). A metric given its own ``distributed_available_fn`` or ``dist_sync_fn`` keeps it."""
+    try:
+        from torchmetrics import metric as metric_module
+    except ImportError:
+        return
+    original = metric_module.Metric.sync
+    if getattr(original, "_mpistrategy", False):
+        return
+    default = metric_module.jit_distributed_available
+
+    @functools.wraps(original)
+    def sync(
+        self: Any,
+        dist_sync_fn: Any = None,
+        process_group: Any = None,
+        should_sync: bool = True,
+        distributed_available: Any = None,
+    ) -> None:
+        strategy = next(iter(running), None)
+        if (
+            strategy is not None
+            and distributed_available is None
+            and self.distributed_available_fn is default
+            and not default()
+        ):
+            distributed_available = metrics_distributed
+            dist_sync_fn = dist_sync_fn or strategy.gather_metric_state
+        original(self, dist_sync_fn, process_group, should_sync, distributed_available)
+
+    sync._mpistrategy = True  # type: ignore[attr-defined]
+    metric_module.Metric.sync = sync  # type: ignore[method-assign]
+
+
+def metrics_distributed() -> bool:
+    """torchmetrics' ``distributed_available_fn`` for a metric that syncs over MPI: always true."""
+    return True

@@ -1,6 +1,6 @@
 """Fabric's collectives under mpi_ad against references computed from every rank's known values: all_reduce (every
 op, floats, integers, booleans, collections, in place as DDP's), all_gather (shapes, collections, the adjoint with
-sync_grads), broadcast, barrier and reduce_boolean_decision."""
+sync_grads), broadcast, barrier, reduce_boolean_decision and torchmetrics' sync."""
 
 from __future__ import annotations
 
@@ -120,6 +120,16 @@ def test_barrier_waits_for_every_rank() -> None:
     fabric.barrier("after-rank-0-wrote")
     assert os.path.exists(marker)
     COMM.Barrier()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_a_torchmetrics_metric_outside_any_model_syncs_as_under_ddp() -> None:
+    import torchmetrics
+
+    launched()
+    metric = torchmetrics.CatMetric()
+    metric.update(torch.arange(RANK + 1, dtype=torch.float64))  # a different length on every rank
+    assert metric.compute().tolist() == [float(i) for r in range(SIZE) for i in range(r + 1)]
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)

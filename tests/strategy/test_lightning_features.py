@@ -140,6 +140,49 @@ def test_torchmetrics_sync_across_ranks() -> None:
     assert sorted(values.tolist()) == sorted(float(i) for r in range(SIZE) for i in range(r + 1))
 
 
+class _SumInCallback(L.Callback):
+    """A metric held by a callback, not by the module: it syncs under DDP too."""
+
+    def __init__(self) -> None:
+        self.total = torchmetrics.SumMetric()
+        self.local = torchmetrics.SumMetric(distributed_available_fn=lambda: False)  # the user's own: stays local
+        self.computed: dict[str, float] = {}
+
+    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, *args: Any) -> None:
+        self.total.update(batch[1].sum())
+        self.local.update(batch[1].sum())
+
+    def on_validation_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.computed = {"callback": self.total.compute().item(), "local": self.local.compute().item()}
+
+
+class _MetricMadeEachEpoch(L.LightningModule):
+    """Creates its metric in ``on_validation_epoch_start`` (after the strategy's start of the pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1).double()
+
+    def on_validation_epoch_start(self) -> None:
+        self.fresh = torchmetrics.SumMetric()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.fresh.update(batch[1].sum())
+        self.log("fresh", self.fresh, on_epoch=True, metric_attribute="fresh")
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_torchmetrics_outside_the_module_and_made_in_hooks_sync_as_under_ddp() -> None:
+    callback = _SumInCallback()
+    fit = trainer(callbacks=[callback])
+    fit.validate(_MetricMadeEachEpoch(), loader(IndexDataset(SIZE * 4), 2), verbose=False)
+    everything = float(sum(range(SIZE * 4)))
+    assert fit.callback_metrics["fresh"].item() == everything, "a metric made in an epoch hook stayed per-rank"
+    assert callback.computed["callback"] == everything, "a callback's metric stayed per-rank"
+    mine = float(sum(range(RANK, SIZE * 4, SIZE)))  # the distributed sampler's share of this rank
+    assert callback.computed["local"] == mine, "a metric with its own distributed_available_fn was synced"
+
+
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
 def test_all_gather_sync_grads_is_the_adjoint() -> None:
     strategy = trainer().strategy
