@@ -13,6 +13,8 @@ rank writes ``.hydra/``, the log file and ``multirun.yaml``. What this module ad
   (or write ``<name>.rank<r>.log`` when asked).
 - :class:`OneSweepDir`: a Hydra callback that keeps every point of a sweep in the sweep's dir, also points that set
   their own ``task_name`` (``-m experiment=digits_mlp,digits_cnn``).
+- :class:`LauncherInOneProcess`: a launcher that starts the points itself (``hydra/launcher=slurm`` submits each as
+  a SLURM job with its own ranks) is refused under several MPI ranks, which would each submit every point.
 - :func:`quiet_other_ranks`: Hydra's basic sweeper writes ``multirun.yaml`` on whichever rank runs it; on ranks
   other than 0 that write is skipped.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from datetime import datetime
 from typing import Any
 
@@ -158,6 +161,32 @@ class OneSweepDir(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         with read_write(config.hydra.overrides):
             config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(str(config.hydra.sweep.dir))}")
+
+
+#: Hydra's own launcher, which runs the points in this process (on every rank, under mpiexec)
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+class LauncherInOneProcess(Callback):
+    """Hydra callback, every rank: under several MPI ranks, refuse a launcher other than Hydra's basic one.
+
+    Such a launcher starts each point itself (submitit: a SLURM job with its own ranks), so every rank would
+    submit every point, into the same sweep dir. Rank 0 names the fix; every rank exits 1 before anything is
+    submitted (Hydra turns a callback's exception into a warning, hence ``SystemExit``).
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        target = str(config.hydra.launcher.get("_target_", BASIC_LAUNCHER))
+        if size() == 1 or target == BASIC_LAUNCHER:
+            return
+        if rank() == 0:
+            name = config.hydra.runtime.choices.get("hydra/launcher", target)
+            sys.stderr.write(
+                f"Error: hydra/launcher={name} starts every point of the sweep itself (each with its own ranks), "
+                f"but this sweep runs on {size()} MPI ranks, each of which would start every point. Run it from one "
+                f"process, without mpiexec or srun: mpistrategy-train -m hydra/launcher={name} ...\n"
+            )
+        raise SystemExit(1)
 
 
 def _quoted(value: str) -> str:

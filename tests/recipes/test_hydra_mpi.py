@@ -15,6 +15,17 @@ from tests.recipes._cli import clean_env, run, train_command
 FAST = ["experiment=debug", "trainer.max_epochs=2", "trainer.limit_val_batches=1"]
 
 
+def _failing_sweep(tmp_path: Path, arguments: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``mpistrategy-train -m <arguments>`` on 2 ranks, logging under ``tmp_path/logs``; it must exit 1."""
+    command = [*mpiexec_command(), "-n", "2", *train_command(), "-m", *arguments]
+    result = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=420,
+        env=clean_env(MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"), **env),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-6000:]
+    return result
+
+
 def test_a_two_rank_run_writes_one_run_dir_with_one_config_copy_and_one_set_of_logs(tmp_path: Path) -> None:
     # Rank 1 starts 1.5 s after rank 0: left alone, Hydra would give it another timestamped run dir.
     train = train_command()
@@ -45,16 +56,7 @@ def test_a_three_point_sweep_under_mpiexec_compares_its_points_and_lists_a_faile
     """Point 1 (``trainer.max_epochs=-1``: no length for the cosine scheduler) fails while building, on every rank:
     the sweep goes on, the error is printed once, every rank exits 1, and the comparison lists the point as failed
     (written as each point ends: Hydra's sweeper raises the failure before its end-of-sweep callback)."""
-    command = [*mpiexec_command(), "-n", "2", *train_command(), "-m", "trainer.max_epochs=2,-1,1", *FAST[:1], *FAST[2:]]
-    result = subprocess.run(
-        command,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        env=clean_env(MPISTRATEGY_LOG_DIR=str(tmp_path / "logs"), MPISTRATEGY_RANK_LOGS="1"),
-    )
-    assert result.returncode == 1, result.stderr[-6000:]
+    result = _failing_sweep(tmp_path, ["trainer.max_epochs=2,-1,1", *FAST[:1], *FAST[2:]], MPISTRATEGY_RANK_LOGS="1")
     assert result.stderr.count("scheduler.T_max=-1 (trainer.max_epochs=-1)") == 1, result.stderr[-6000:]
     assert "Traceback" not in result.stderr
     sweeps = list((tmp_path / "logs" / "debug" / "multiruns").iterdir())
@@ -84,12 +86,7 @@ def test_a_three_point_sweep_under_mpiexec_compares_its_points_and_lists_a_faile
 
 def test_a_sweep_point_failing_inside_fit_on_every_rank_is_listed_and_the_sweep_goes_on(tmp_path: Path) -> None:
     """Point 0 (a negative learning rate) raises in ``fit`` on every rank, in step: no abort; point 1 trains."""
-    command = [*mpiexec_command(), "-n", "2", *train_command(), "-m", "optimizer.lr=-0.1,0.1", *FAST]
-    result = subprocess.run(
-        command, cwd=tmp_path, capture_output=True, text=True, timeout=420,
-        env=clean_env(MPISTRATEGY_LOG_DIR=str(tmp_path / "logs")),
-    )  # fmt: skip
-    assert result.returncode == 1, result.stderr[-6000:]
+    result = _failing_sweep(tmp_path, ["optimizer.lr=-0.1,0.1", *FAST])
     assert "aborting all ranks" not in result.stderr + result.stdout
     assert (result.stderr + result.stdout).count("Error executing job with overrides") == 1  # rank 0 only
     (sweep,) = (tmp_path / "logs" / "debug" / "multiruns").iterdir()
@@ -115,6 +112,15 @@ def test_a_sweep_over_experiments_keeps_its_points_in_one_sweep_dir(tmp_path: Pa
         "debug",
         "digits_mlp",
     ]
+
+
+def test_a_slurm_sweep_under_mpiexec_is_refused_before_any_point_is_submitted(tmp_path: Path) -> None:
+    """Under mpiexec every rank would submit every point as its own SLURM job, into one sweep dir."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    result = _failing_sweep(tmp_path, ["hydra/launcher=slurm_local", *FAST])
+    assert result.stderr.count("Error: hydra/launcher=slurm_local starts every point of the sweep itself") == 1
+    assert "without mpiexec or srun: mpistrategy-train -m hydra/launcher=slurm_local" in result.stderr
+    assert not list(tmp_path.rglob(".submitit")), "a point was submitted"
 
 
 @pytest.mark.parametrize("ranks", [2])
