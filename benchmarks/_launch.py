@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: where a ``--quick`` run writes without ``--results``: never over the published figures in RESULTS
+QUICK_RESULTS = RESULTS / "quick"
 # Trainer options of every benchmark run: no logger, progress bar, summary, checkpoint or sanity check
 QUIET_TRAINER = dict(
     logger=False,
@@ -23,6 +25,62 @@ QUIET_TRAINER = dict(
     enable_checkpointing=False,
     num_sanity_val_steps=0,
 )
+
+
+def integer_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``low`` to ``high`` (no upper bound when ``None``)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        allowed = f"{low} to {high}" if high is not None else f"{low} or more"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give {allowed}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; give {allowed}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number above zero."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{value} is not a finite number above zero")
+    return value
+
+
+def check_timed_steps(parser, args) -> None:
+    """Refuse (argparse's error) ``--steps`` that leave no timed step after the ``--warmup`` ones of a round."""
+    if args.steps <= args.warmup:
+        parser.error(
+            f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}: the first --warmup steps of "
+            "every round are dropped, so --steps must be larger"
+        )
+
+
+def add_results_argument(parser, what: str) -> None:
+    """``--results DIR``: where to write ``what`` (see :func:`results_of` for the default)."""
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help=f"where to write {what} (default benchmarks/results; with --quick, benchmarks/results/quick)",
+    )
+
+
+def results_of(args) -> Path:
+    """``--results`` if given; else benchmarks/results, or benchmarks/results/quick for a ``--quick`` run."""
+    if args.results is not None:
+        return args.results
+    return QUICK_RESULTS if getattr(args, "quick", False) else RESULTS
 
 
 def add_encoder_arguments(parser) -> None:

@@ -46,7 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -54,6 +54,7 @@ from typing import IO, Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _netns  # noqa: E402
+from _launch import integer_in  # noqa: E402
 from _netns import LinkBytes, NetworkSetupError, Node  # noqa: E402
 
 __all__ = [
@@ -419,12 +420,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--nodes",
-        type=_bounded_int(1, _netns.MAX_NODES),
+        type=integer_in(1, _netns.MAX_NODES),
         default=2,
         help=f"emulated nodes, 1 to {_netns.MAX_NODES} (default 2)",
     )
     parser.add_argument(
-        "--ranks-per-node", type=_bounded_int(1, None), default=1, help="MPI ranks per node, 1 or more (default 1)"
+        "--ranks-per-node", type=integer_in(1, None), default=1, help="MPI ranks per node, 1 or more (default 1)"
     )
     parser.add_argument(
         "--rate",
@@ -479,22 +480,6 @@ def _threads_note(ranks: int) -> str:
         f"OMP_NUM_THREADS={threads_per_rank(ranks)} (the nodes share this machine's {machine_cores()} cores: "
         f"cores // {ranks} ranks, at least 1; set OMP_NUM_THREADS to choose)"
     )
-
-
-def _bounded_int(low: int, high: int | None) -> Callable[[str], int]:
-    """An argparse type: an integer from ``low`` to ``high`` (no upper bound when ``None``)."""
-
-    def parse(text: str) -> int:
-        allowed = f"{low} to {high}" if high is not None else f"{low} or more"
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give {allowed}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is out of range; give {allowed}")
-        return value
-
-    return parse
 
 
 def _positive_seconds(text: str) -> float:

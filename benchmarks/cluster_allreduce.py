@@ -21,10 +21,9 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, paired_ratios, save  # noqa: E402
+from _launch import add_results_argument, integer_in, paired_ratios, positive_float, results_of, save  # noqa: E402
 from cluster import EmulatedCluster, parse_rate  # noqa: E402
 
 RANKS = 4
@@ -35,14 +34,17 @@ RESULT_PREFIX = "ALLREDUCE_SECONDS "
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=float, default=40.0, help="allreduce size in MB (10^6 bytes), float32")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (one job per contender each)")
-    parser.add_argument("--calls", type=int, default=5, help="timed allreduces per job")
+    parser.add_argument("--mb", type=positive_float, default=40.0, help="allreduce size in MB (10^6 bytes), float32")
+    parser.add_argument(
+        "--rounds", type=integer_in(1), default=5, help="interleaved rounds (one job per contender each)"
+    )
+    parser.add_argument("--calls", type=integer_in(1), default=5, help="timed allreduces per job")
     parser.add_argument("--rates", default=DEFAULT_RATES, help=f"link rates of the 2x2 contenders ({DEFAULT_RATES})")
     parser.add_argument("--quick", action="store_true", help="1 round of 2 calls of 4 MB (a smoke run)")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON")
+    add_results_argument(parser, "the JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.results = results_of(args)
     if args.quick:
         args.mb, args.rounds, args.calls = 4.0, 1, 2
     elements = int(args.mb * 1e6) // 4

@@ -44,13 +44,21 @@ import statistics
 import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, ensure_mpi, init_gloo, paired_ratio, save, time_interleaved  # noqa: E402
+from _launch import (  # noqa: E402
+    add_results_argument,
+    ensure_mpi,
+    init_gloo,
+    integer_in,
+    paired_ratio,
+    results_of,
+    save,
+    time_interleaved,
+)
 
 SIZES = [1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
 TARGET_LARGE_VS_MPI4PY = 1.05
@@ -302,11 +310,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sizes, repeats and calls (a smoke run)")
     parser.add_argument("--no-validation", action="store_true", help="switch off the cross-rank agreement checks")
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=integer_in(2), default=2, help="MPI ranks (default 2)")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="the ops to time")
-    parser.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default 1 KB .. 64 MB)")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
+    parser.add_argument("--sizes", type=integer_in(1), nargs="+", help="message sizes in bytes (default 1 KB .. 64 MB)")
+    add_results_argument(parser, "the JSON and PNG")
     args = parser.parse_args()
+    args.results = results_of(args)
     ensure_mpi(args.ranks)
 
     from mpi4py import MPI

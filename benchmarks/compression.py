@@ -29,7 +29,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, ensure_mpi, paired_ratios, save, share_cores  # noqa: E402
+from _launch import (  # noqa: E402
+    add_results_argument,
+    check_timed_steps,
+    ensure_mpi,
+    integer_in,
+    paired_ratios,
+    results_of,
+    save,
+    share_cores,
+)
 
 BATCH = 64
 
@@ -47,15 +56,17 @@ def _schemes() -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=10, help="epochs of the digits job per scheme")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per round and scheme")
-    parser.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of every round")
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
+    parser.add_argument("--epochs", type=integer_in(1), default=10, help="epochs of the digits job per scheme")
+    parser.add_argument("--steps", type=integer_in(1), default=30, help="timed steps per round and scheme")
+    parser.add_argument("--warmup", type=integer_in(0), default=5, help="steps dropped at the start of every round")
+    parser.add_argument("--rounds", type=integer_in(1), default=10, help="interleaved timing rounds")
     parser.add_argument("--quick", action="store_true", help="1 epoch, 2 rounds of 10 steps")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
+    add_results_argument(parser, "the JSON and PNG")
     args = parser.parse_args()
     if args.quick:
         args.epochs, args.steps, args.warmup, args.rounds = 1, 10, 3, 2
+    check_timed_steps(parser, args)
+    args.results = results_of(args)
     ensure_mpi(2)
 
     from mpi4py import MPI

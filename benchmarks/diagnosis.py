@@ -26,10 +26,9 @@ import sys
 import time
 import timeit
 import warnings
-from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, ensure_mpi, save  # noqa: E402
+from _launch import add_results_argument, check_timed_steps, ensure_mpi, integer_in, results_of, save  # noqa: E402
 
 TARGET_ALLREDUCE_US = 15.0
 TARGET_STEP_RATIO = 1.01
@@ -44,16 +43,20 @@ def _mode(on: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=40, help="interleaved blocks of allreduce calls per mode")
-    parser.add_argument("--calls", type=int, default=500, help="allreduce calls per block")
-    parser.add_argument("--rounds", type=int, default=10, help="interleaved training rounds per mode")
-    parser.add_argument("--steps", type=int, default=30, help="training steps per round")
-    parser.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of every round")
+    parser.add_argument(
+        "--blocks", type=integer_in(1), default=40, help="interleaved blocks of allreduce calls per mode"
+    )
+    parser.add_argument("--calls", type=integer_in(1), default=500, help="allreduce calls per block")
+    parser.add_argument("--rounds", type=integer_in(1), default=10, help="interleaved training rounds per mode")
+    parser.add_argument("--steps", type=integer_in(1), default=30, help="training steps per round")
+    parser.add_argument("--warmup", type=integer_in(0), default=5, help="steps dropped at the start of every round")
     parser.add_argument("--quick", action="store_true", help="10 blocks, 3 rounds of 20 steps")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON")
+    add_results_argument(parser, "the JSON")
     args = parser.parse_args()
     if args.quick:
         args.blocks, args.rounds, args.steps = 10, 3, 20
+    check_timed_steps(parser, args)
+    args.results = results_of(args)
     ensure_mpi(2)
 
     import torch

@@ -57,7 +57,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, paired_ratios, save  # noqa: E402
+from _launch import add_results_argument, integer_in, paired_ratios, results_of, save  # noqa: E402
+from cluster import parse_rate  # noqa: E402
 
 NODES = 2
 RANKS_PER_NODE = 2
@@ -103,18 +104,23 @@ def available_contenders() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (one MPI job each)")
-    parser.add_argument("--epochs", type=int, default=4, help="epochs per contender and round")
-    parser.add_argument("--batch", type=int, default=BATCH, help="samples per rank and step")
-    parser.add_argument("--warmup", type=int, default=2, help="steps left out of each round's ms/step")
+    parser.add_argument("--rounds", type=integer_in(1), default=3, help="interleaved rounds (one MPI job each)")
+    parser.add_argument("--epochs", type=integer_in(1), default=4, help="epochs per contender and round")
+    parser.add_argument("--batch", type=integer_in(1), default=BATCH, help="samples per rank and step")
+    parser.add_argument("--warmup", type=integer_in(0), default=2, help="steps left out of each round's ms/step")
     parser.add_argument("--rate", default="1gbit", help="link rate, tc notation (1gbit, 10gbit, unshaped, ...)")
     parser.add_argument("--contenders", help="comma-separated subset (default: all available)")
     parser.add_argument("--quick", action="store_true", help="1 round, 4 steps per contender, a small MLP")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNGs")
+    add_results_argument(parser, "the JSON and PNGs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--records", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.results = results_of(args)
+    try:
+        parse_rate(args.rate)
+    except ValueError as error:
+        parser.error(str(error))
     contenders = args.contenders.split(",") if args.contenders else available_contenders()
     unknown = sorted(set(contenders) - set(available_contenders()))
     if unknown:

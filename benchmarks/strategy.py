@@ -44,7 +44,17 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import QUIET_TRAINER, RESULTS, ensure_mpi, lightning_environment, paired_range, save  # noqa: E402
+from _launch import (  # noqa: E402
+    QUIET_TRAINER,
+    add_results_argument,
+    check_timed_steps,
+    ensure_mpi,
+    integer_in,
+    lightning_environment,
+    paired_range,
+    results_of,
+    save,
+)
 
 TARGET_VS_DDP = 0.8
 TARGET_VS_HAND = 1.05
@@ -53,14 +63,16 @@ BATCH = 64
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="steps per round and contender")
-    parser.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of every round")
-    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
+    parser.add_argument("--steps", type=integer_in(1), default=30, help="steps per round and contender")
+    parser.add_argument("--warmup", type=integer_in(0), default=5, help="steps dropped at the start of every round")
+    parser.add_argument("--rounds", type=integer_in(1), default=20, help="interleaved rounds")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 20 steps")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
+    add_results_argument(parser, "the JSON and PNG")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds = 20, 3
+    check_timed_steps(parser, args)
+    args.results = results_of(args)
     ensure_mpi(2)
 
     import torch

@@ -40,9 +40,12 @@ from pathlib import Path
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _launch import (  # noqa: E402
     QUIET_TRAINER,
-    RESULTS,
+    add_results_argument,
+    check_timed_steps,
+    integer_in,
     lightning_environment,
     paired_range,
+    results_of,
     run_under_mpi,
     save,
     share_cores,
@@ -65,17 +68,19 @@ TARGET_STAGE1_VS_FLAT = 1.10
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="MPI job sizes, one job each")
+    parser.add_argument("--ranks", type=integer_in(1), nargs="+", default=[2, 4], help="MPI job sizes, one job each")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
-    parser.add_argument("--steps", type=int, default=12, help="steps per round and contender")
-    parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every round")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--steps", type=integer_in(1), default=12, help="steps per round and contender")
+    parser.add_argument("--warmup", type=integer_in(0), default=3, help="steps dropped at the start of every round")
+    parser.add_argument("--rounds", type=integer_in(1), default=3, help="interleaved rounds")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the models train")
     parser.add_argument("--quick", action="store_true", help="1 round of 6 steps (1 warm-up)")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
+    add_results_argument(parser, "the JSON and PNG")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.rounds = 6, 1, 1
+    check_timed_steps(parser, args)
+    args.results = results_of(args)
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.Get_size() == 1 and not os.environ.get("MPISTRATEGY_BENCH_CHILD"):

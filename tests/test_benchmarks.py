@@ -7,6 +7,7 @@ positive, that the summary ratios are those of the per-round times, and that the
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -216,3 +217,40 @@ def test_zero_benchmark_times_every_contender_and_measures_the_state(tmp_path: P
     assert "stage1_vs_flat" in output and "target <= 1/2 + 1% = 0.5050" in output
     width, height = png_size(tmp_path / "zero.png")
     assert width > height, (width, height)
+
+
+BAD_ARGUMENTS = [
+    ("strategy.py", ["--rounds", "0"], "argument --rounds: 0 is out of range; give 1 or more"),
+    ("strategy.py", ["--steps", "3", "--warmup", "5"], "--steps 3 leaves no timed step after --warmup 5"),
+    ("compression.py", ["--epochs", "0"], "argument --epochs: 0 is out of range; give 1 or more"),
+    ("diagnosis.py", ["--calls", "0"], "argument --calls: 0 is out of range; give 1 or more"),
+    ("zero.py", ["--ranks", "0"], "argument --ranks: 0 is out of range; give 1 or more"),
+    ("zero.py", ["--steps", "1", "--warmup", "1"], "--steps 1 leaves no timed step after --warmup 1"),
+    ("collectives.py", ["--sizes", "0"], "argument --sizes: 0 is out of range; give 1 or more"),
+    ("cluster_allreduce.py", ["--mb", "0"], "argument --mb: 0.0 is not a finite number above zero"),
+    ("hierarchical.py", ["--rate", "fast"], "link rate 'fast': give bits per second in tc's units"),
+    ("sync_convergence.py", ["--epochs", "0"], "argument --epochs: 0 is out of range; give 1 or more"),
+    ("cost_model.py", ["--latency-us", "-5"], "argument --latency-us: -5.0 is not a finite number above zero"),
+]
+
+
+def test_a_bad_argument_is_refused_before_any_work_naming_the_argument() -> None:
+    for script, arguments, message in BAD_ARGUMENTS:
+        refused = subprocess.run(
+            [sys.executable, str(BENCHMARKS / script), *arguments], capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2 and message in refused.stderr, (script, arguments, refused.stderr[-2000:])
+
+
+def test_a_quick_run_without_results_never_writes_over_the_published_figures() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from _launch import QUICK_RESULTS, RESULTS, results_of
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--results", type=Path)
+    assert results_of(parser.parse_args(["--quick"])) == QUICK_RESULTS == RESULTS / "quick"
+    assert results_of(parser.parse_args([])) == RESULTS
+    assert results_of(parser.parse_args(["--quick", "--results", "/tmp/x"])) == Path("/tmp/x")

@@ -280,7 +280,7 @@ def test_running_without_root_is_named() -> None:
     python = _base_python() if drop_root else sys.executable
     with tempfile.TemporaryDirectory(prefix="mpistrategy-cluster-") as scratch:
         os.chmod(scratch, 0o755)
-        for name in (CLUSTER_SCRIPT.name, "_netns.py", "netns_launcher.sh"):
+        for name in (CLUSTER_SCRIPT.name, "_launch.py", "_netns.py", "netns_launcher.sh"):
             shutil.copy2(CLUSTER_SCRIPT.with_name(name), scratch)
         probe = subprocess.run([*drop_root, python, "-c", "pass"], capture_output=True, timeout=60, check=False)
         if probe.returncode != 0:
