@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     points = compare_sweep(args.sweep_dir, args.objective)
     for p in points:
-        print(f"#{p['job']}: {p.get('label', p['overrides'])}: {p['objective']} = {p['value']}")
+        outcome = f"{p['objective']} = {p['value']}" if p["status"] == COMPLETED else f"{p['status']}: {p['error']}"
+        print(f"#{p['job']}: {p.get('label', p['overrides'])}: {outcome}")
     return 0 if points else 1
 
 

@@ -7,6 +7,8 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
+
 from mpistrategy.recipes.summary import COMPLETED, FAILED, STARTED, STOPPED, main, summarize_run, write_status
 
 
@@ -18,7 +20,9 @@ def _point(sweep: Path, job: str, overrides: list[str], state: str, final: float
         (sweep / job / "summary.json").write_text(json.dumps({**summary, "overrides": overrides, "fit_seconds": 2.5}))
 
 
-def test_a_point_that_failed_stopped_or_did_not_end_is_listed_without_values(tmp_path: Path) -> None:
+def test_a_point_that_failed_stopped_or_did_not_end_is_listed_without_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _point(tmp_path, "0", ["model.hidden=32"], COMPLETED, final=0.93)
     _point(tmp_path, "1", ["model.hidden=-3"], FAILED)
     _point(tmp_path, "2", ["model.hidden=64"], STARTED)  # killed on the way (a time limit): no summary
@@ -35,6 +39,9 @@ def test_a_point_that_failed_stopped_or_did_not_end_is_listed_without_values(tmp
         ("3", STOPPED, ""),
     ]
     assert rows[1]["error"] == "ValueError: model.hidden=-3 is negative"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].endswith("model.hidden=32: val/acc = 0.93")
+    assert printed[1].endswith("model.hidden=-3: failed: ValueError: model.hidden=-3 is negative")
     assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
