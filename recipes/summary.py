@@ -122,9 +122,10 @@ def summarize_run(
 
 def bytes_sent(strategy: Any) -> dict[str, Any]:
     """``{"bytes_sent": {"total", "node", "inter_node"}}``: the payload bytes this rank sent while fitting, from
-    ``strategy.traffic`` (mpi_ad's :class:`~mpistrategy.comm.traffic.TrafficCounter`); empty without one."""
+    ``strategy.traffic`` (mpi_ad's :class:`~mpistrategy.comm.traffic.TrafficCounter`, which counts gradient and model
+    averaging); empty without one, and without data parallelism (a model's own collectives are not counted)."""
     traffic = getattr(strategy, "traffic", None)
-    if traffic is None:
+    if traffic is None or getattr(strategy, "data_parallel", True) is False:
         return {}
     return {"bytes_sent": {"total": traffic.total, "node": traffic.total_node, "inter_node": traffic.total_inter_node}}
 

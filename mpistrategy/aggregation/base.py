@@ -113,8 +113,10 @@ class AggregationContext:
             self.span = self.comm
 
     def sent(self, nbytes: int) -> None:
-        """Record ``nbytes`` of payload sent by this rank on ``comm``."""
-        self.traffic.add(self.scope, nbytes)
+        """Record ``nbytes`` of payload sent by this rank on ``comm``. Nothing on a one-rank ``comm`` of a larger
+        job (a node of one rank): no other rank to send to. A one-rank job counts its payload."""
+        if self.comm.size > 1 or self.topology.size == 1:
+            self.traffic.add(self.scope, nbytes)
 
 
 class Aggregator(ABC):

@@ -3,7 +3,8 @@
 The unit is the *payload* a rank contributes to an operation, in bytes, not what the algorithm puts on the wire:
 an allreduce of an ``n``-byte buffer counts ``n`` (a ring algorithm moves ``2 (P-1)/P n`` per rank, a tree
 ``n`` per level; a cost model applies those factors on top), an allgather of ``k`` bytes per rank counts ``k``, a
-send counts its message. Two scopes:
+send counts its message. An operation on a one-rank communicator of a larger job (a node of one rank, the node
+leaders of a one-node job) counts nothing: no byte leaves the rank. Two scopes:
 
 - ``node``: the operation's ranks all share one node (the node communicator, or the world on one node);
 - ``inter_node``: the operation's ranks span several nodes (the world on several nodes, the node leaders, ranks of

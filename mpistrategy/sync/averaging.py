@@ -248,11 +248,9 @@ class ModelAverager:
         spans_nodes = self.topology.num_nodes > 1
         if self.route == "nodes":
             assert self.node is not None
-            for flat in flats:
-                if self.node.size > 1:
+            if self.node.size > 1:
+                for flat in flats:
                     self._node_sum(flat)
-                else:
-                    self.traffic.add(NODE, flat.nbytes)
             comm = self.leaders
         else:
             comm = self.world
@@ -264,8 +262,8 @@ class ModelAverager:
                 if shared_set is not None or (wire_dtype is not None and flat.dtype != wire_dtype):
                     wire = self._wire_buffer(position, flat.numel(), wire_dtype or flat.dtype, shared_set)
                 wires.append(wire)
-                self.traffic.add(INTER_NODE if spans_nodes else NODE, wire.nbytes)
                 if comm.size > 1:
+                    self.traffic.add(INTER_NODE if spans_nodes else NODE, wire.nbytes)
                     requests += self._post(comm, flat, wire, node_scale)
                 else:
                     _to_wire(flat, wire, node_scale)

@@ -68,3 +68,17 @@ def test_a_run_without_a_csv_log_takes_its_final_values_from_the_logged_metrics(
     assert summary["final"] == {"train/loss": 0.4, "val/loss": 0.3, "val/acc": 0.91}
     assert summary["objective"] == {"name": "val/acc", "value": 0.91} and "best" not in summary
     assert json.loads((tmp_path / "summary.json").read_text())["final"] == summary["final"]
+
+
+def test_bytes_sent_are_left_out_without_data_parallelism() -> None:
+    """The traffic counter counts gradient and model averaging: a tensor- or pipeline-parallel run sends in its own
+    layers' collectives, so a count of 0 would mislead."""
+    from types import SimpleNamespace
+
+    from mpistrategy.comm.traffic import NODE, TrafficCounter
+    from mpistrategy.recipes.summary import bytes_sent
+
+    traffic = TrafficCounter()
+    traffic.add(NODE, 1000)
+    assert bytes_sent(SimpleNamespace(traffic=traffic, data_parallel=True))["bytes_sent"]["node"] == 1000
+    assert bytes_sent(SimpleNamespace(traffic=traffic, data_parallel=False)) == {}

@@ -17,13 +17,13 @@ STEPS = 16
 PER_RANK_BATCH = 4
 
 
-def _logged(sync, folder: str, aggregator=None) -> tuple[list[dict[str, float]], int, object]:
-    """Fit ``STEPS`` steps as 2 nodes of 2 (``aggregator`` combines the step across nodes); rank 0's logged comm/
-    rows, the model's bytes, the traffic counter."""
+def _logged(sync, folder: str, aggregator=None, ranks_per_node: int = 2) -> tuple[list[dict[str, float]], int, object]:
+    """Fit ``STEPS`` steps as nodes of ``ranks_per_node`` (``aggregator`` combines the step across nodes); rank 0's
+    logged comm/ rows, the model's bytes, the traffic counter."""
     data = regression_data(SIZE * PER_RANK_BATCH * STEPS)
     model = Regressor(mlp(seed=4), lr=0.05)
-    strategy = MPIADStrategy(sync=sync, aggregator=aggregator or MeanAggregator(), ranks_per_node=2)
-    logger = CSVLogger(folder, name=type(sync).__name__, version=0)
+    strategy = MPIADStrategy(sync=sync, aggregator=aggregator or MeanAggregator(), ranks_per_node=ranks_per_node)
+    logger = CSVLogger(folder, name=f"{type(sync).__name__}{ranks_per_node}", version=0)
     trainer(strategy=strategy, max_steps=STEPS, logger=logger, log_every_n_steps=1).fit(
         model, loader(data, PER_RANK_BATCH)
     )
@@ -73,3 +73,25 @@ def test_inter_node_bytes_fall_by_the_skip_factor() -> None:
     inter_compressed = sum(r["comm/inter_node_bytes_per_step"] for r in compressed)
     assert STEPS * pair <= inter_compressed <= STEPS * 4 * (pair + 14)
     assert inter_compressed < inter["hierarchical"] / 4
+
+
+@pytest.mark.mpi(ranks=(3,), timeout=240)
+def test_nodes_of_one_rank_count_no_node_bytes() -> None:
+    """With one rank per node nothing travels inside a node: the node step and the node sum send nothing."""
+    folder = shared_tmpdir()
+    hierarchical, model_bytes, _ = _logged(HierarchicalSync(), folder, ranks_per_node=1)
+    daso, _, _ = _logged(DASO(warmup_epochs=0, cooldown_epochs=0, global_skip=4, downcast=None), folder, None, 1)
+    if RANK != 0:
+        return
+    assert sum(r["comm/node_bytes_per_step"] for r in hierarchical + daso) == 0
+    assert sum(r["comm/inter_node_bytes_per_step"] for r in hierarchical) == STEPS * model_bytes
+    assert sum(r["comm/inter_node_bytes_per_step"] for r in daso) == 5 * model_bytes
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=240)
+def test_one_node_counts_its_gradients_once_per_step() -> None:
+    """On one node the node leaders' step is a one-rank operation: only the node step sends."""
+    rows, model_bytes, _ = _logged(HierarchicalSync(), shared_tmpdir())
+    if RANK == 0:
+        assert sum(r["comm/node_bytes_per_step"] for r in rows) == STEPS * model_bytes
+        assert sum(r["comm/inter_node_bytes_per_step"] for r in rows) == 0
