@@ -133,7 +133,20 @@ def run_under_mpi(ranks: int, *extra_args: str) -> int:
         sys.exit(f"{command[0]} not found: install the MPICH wheel (pip install mpich) or a system MPI.")
     env = without_launcher_variables(os.environ)
     env["MPISTRATEGY_BENCH_CHILD"] = "1"
-    return subprocess.call([*command, "-n", str(ranks), sys.executable, *sys.argv, *extra_args], env=env)
+    job = [*command, "-n", str(ranks), sys.executable, *sys.argv, *extra_args]
+    return subprocess.call(job, env=env, preexec_fn=_end_with_parent)
+
+
+def _end_with_parent() -> None:
+    """In the launched ``mpiexec``, before it starts: SIGTERM when this script's process dies, even by SIGKILL
+    (Linux ``prctl(PR_SET_PDEATHSIG)``), so that ``mpiexec`` ends its ranks instead of leaving them running."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the ranks end when mpiexec's own process group is killed
 
 
 def init_gloo() -> None:

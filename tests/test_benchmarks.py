@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.benchmark_runs import BENCHMARKS, assert_count, assert_finite, assert_positive, png_size, run_benchmark
@@ -254,3 +257,38 @@ def test_a_quick_run_without_results_never_writes_over_the_published_figures() -
     assert results_of(parser.parse_args(["--quick"])) == QUICK_RESULTS == RESULTS / "quick"
     assert results_of(parser.parse_args([])) == RESULTS
     assert results_of(parser.parse_args(["--quick", "--results", "/tmp/x"])) == Path("/tmp/x")
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The pids whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_killed_benchmark_takes_its_mpi_job_with_it(tmp_path: Path) -> None:
+    """SIGKILL to the script that relaunched itself under mpiexec: mpiexec and its ranks end too."""
+    results = str(tmp_path / "killed")
+    launcher = subprocess.Popen(
+        [sys.executable, str(BENCHMARKS / "strategy.py"), "--rounds", "20", "--results", results],  # minutes long
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while len(_processes_naming(results)) < 4 and time.monotonic() < deadline:  # launcher, mpiexec, 2 ranks
+        time.sleep(0.2)
+    assert len(_processes_naming(results)) >= 4, "the MPI job did not start"
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while _processes_naming(results) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _processes_naming(results)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the MPI job outlived its launcher"
