@@ -237,7 +237,7 @@ class MPIStrategyBase:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         if self.world_size > 1:
             conventions.running.add(self)
-            conventions.sync_torchmetrics()
+            conventions.sync_torchmetrics(sync.metric_gather(self.topology.control, world()))
         super().setup_environment()  # type: ignore[misc]
 
     def _build_engine(
@@ -286,7 +286,8 @@ class MPIStrategyBase:
 
     def attach_metric_sync(self, module: nn.Module) -> int:
         """Make every torchmetrics ``Metric`` in ``module`` (or ``module`` itself) sync its state over MPI when it
-        computes; returns how many were found."""
+        computes, also while torch.distributed is initialised (without it, every metric that keeps torchmetrics'
+        default ``distributed_available_fn`` already does); returns how many were found."""
         if self.world_size == 1:
             return 0
         return sync.attach_metric_sync(module, self.gather_metric_state, conventions.metrics_distributed)

@@ -14,8 +14,9 @@
   is set up (:data:`running`).
 - torchmetrics' sync. Under DDP every torchmetrics ``Metric`` gathers its state across ranks when it computes,
   wherever it lives (the LightningModule, a callback, a metric created in an epoch hook), because its default
-  ``distributed_available_fn`` sees torch.distributed initialised. :func:`sync_torchmetrics` makes such a metric
-  gather over MPI instead, through a strategy in :data:`running`, while torch.distributed is not initialised.
+  ``distributed_available_fn`` sees torch.distributed initialised, and it goes on gathering after ``fit`` returns
+  (the process group outlives the Trainer). :func:`sync_torchmetrics` makes such a metric gather over the MPI world
+  of the last strategy set up with more than one rank instead, while torch.distributed is not initialised.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import inspect
 import logging
 import sys
 import weakref
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
 
@@ -32,6 +34,8 @@ from mpistrategy.comm.topology import Topology
 
 #: the strategies with more than one rank between their ``setup_environment`` and ``teardown``
 running: weakref.WeakSet[Any] = weakref.WeakSet()
+#: torchmetrics' ``dist_sync_fn`` over the MPI world (see :func:`sync_torchmetrics`)
+_metric_gather: Callable[..., list[Any]] | None = None
 
 SEED_MESSAGE = "Seed set to"
 _INTERNAL_PACKAGES = ("mpistrategy", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
@@ -145,10 +149,13 @@ def hint_sync_dist(result_module: ModuleType) -> None:
     result_module._distributed_is_initialized = distributed  # type: ignore[attr-defined]
 
 
-def sync_torchmetrics() -> None:
-    """Make ``torchmetrics.Metric.sync`` gather over MPI, through a strategy in :data:`running`, for a metric that
-    keeps torchmetrics' default ``distributed_available_fn`` while torch.distributed is not initialised (idempotent;
-    nothing without torchmetrics). A metric given its own ``distributed_available_fn`` or ``dist_sync_fn`` keeps it."""
+def sync_torchmetrics(gather: Callable[..., list[Any]]) -> None:
+    """Make ``torchmetrics.Metric.sync`` gather with ``gather`` (``dist_sync_fn``'s contract) for a metric that keeps
+    torchmetrics' default ``distributed_available_fn`` while torch.distributed is not initialised; nothing without
+    torchmetrics. A later call replaces ``gather``; it stays after the strategy's teardown, as a process group
+    outlives a DDP Trainer. A metric given its own ``distributed_available_fn`` or ``dist_sync_fn`` keeps it."""
+    global _metric_gather
+    _metric_gather = gather
     try:
         from torchmetrics import metric as metric_module
     except ImportError:
@@ -166,15 +173,14 @@ def sync_torchmetrics() -> None:
         should_sync: bool = True,
         distributed_available: Any = None,
     ) -> None:
-        strategy = next(iter(running), None)
         if (
-            strategy is not None
+            _metric_gather is not None
             and distributed_available is None
             and self.distributed_available_fn is default
             and not default()
         ):
             distributed_available = metrics_distributed
-            dist_sync_fn = dist_sync_fn or strategy.gather_metric_state
+            dist_sync_fn = dist_sync_fn or _metric_gather
         original(self, dist_sync_fn, process_group, should_sync, distributed_available)
 
     sync._mpistrategy = True  # type: ignore[attr-defined]

@@ -19,8 +19,8 @@ calls:
 - ``optimizer.step()``: then the sync mode's parameter work (model averaging under local SGD, DASO, gossip) and
   the coordinated stop check. Modes with an epoch schedule (DASO) need :meth:`MPIADFabricStrategy.begin_epoch` and
   :meth:`MPIADFabricStrategy.end_epoch` around each epoch; DASO's plateau detector gets every backward's loss.
-- ``fabric.all_reduce``/``all_gather``/``broadcast``/``barrier``: over MPI; torchmetrics metrics inside a set-up
-  model sync over MPI (others: :meth:`~mpistrategy.strategy.base.MPIStrategyBase.attach_metric_sync`).
+- ``fabric.all_reduce``/``all_gather``/``broadcast``/``barrier``: over MPI; torchmetrics metrics sync over MPI
+  after ``fabric.launch()``, as under DDP (see :func:`~mpistrategy.strategy.conventions.sync_torchmetrics`).
 - ``fabric.save``: rank 0 writes the file atomically, sealed with a SHA-256 (:mod:`~mpistrategy.strategy.
   checkpoints`), and every rank learns whether it worked (a failed write raises on every rank); the sync modes
   that keep state, or replicas that differ between ranks, add it under ``"mpistrategy"``. ``fabric.load``: every
@@ -146,7 +146,6 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
 
     def _setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         self.broadcast_module_state(module)
-        self.attach_metric_sync(module)
         if self.world_size == 1 or not self.data_parallel:
             return
         if not self._engines:

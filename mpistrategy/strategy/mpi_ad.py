@@ -188,7 +188,6 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.broadcast_module_state(self.model)
-        self._attach_metric_sync()
         if fitting:
             problem = _param_group_callback_problem(trainer) if self.shard is not None else None
             self.setup_optimizers(trainer)
@@ -215,10 +214,6 @@ class MPIADStrategyMixin(MPIStrategyBase):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    def _attach_metric_sync(self) -> None:
-        if self.model is not None:
-            self.attach_metric_sync(self.model)
 
     # ------------------------------------------------------------------------------------- gradient sync
 
@@ -439,7 +434,6 @@ class MPIADStrategyMixin(MPIStrategyBase):
             self._release_stop_signals()  # give the signals back (a received one stays recorded; retaken below)
 
     def on_train_start(self) -> None:
-        self._attach_metric_sync()
         self._install_stop_signals()
         self._checked_step = -1
         failures.set_training(True)
@@ -529,10 +523,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self._start_evaluation("predict")
 
     def _start_evaluation(self, stage: str) -> None:
-        """Sync torchmetrics' states through MPI; give every rank rank 0's buffers (see :meth:`_share_buffers`);
+        """Give every rank rank 0's buffers (see :meth:`_share_buffers`);
         record the pass and its batches per dataloader, so that a collective mismatch or a stall in it names ranks
         whose evaluation data differs."""
-        self._attach_metric_sync()
         self._share_buffers()
         passes.begin_evaluation(self.lightning_module.trainer, stage)
 

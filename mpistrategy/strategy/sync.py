@@ -114,6 +114,15 @@ def gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm, checked_on: Commun
         return _gather_tensors(tensor, comm)
 
 
+def metric_gather(comm: MPI.Intracomm, checked_on: Communicator) -> Callable[..., list[torch.Tensor]]:
+    """:func:`gather_tensors` over ``comm`` as torchmetrics calls a ``dist_sync_fn`` (``group`` is ignored)."""
+
+    def gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        return gather_tensors(tensor, comm, checked_on)
+
+    return gather
+
+
 def _gather_tensors(tensor: torch.Tensor, comm: MPI.Intracomm) -> list[torch.Tensor]:
     local = on_wire(tensor.detach())
     shapes = comm.allgather((tuple(local.shape), local.dtype))

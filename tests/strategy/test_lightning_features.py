@@ -116,6 +116,7 @@ class _Classifier(L.LightningModule):
         self.layer = nn.Linear(4, 1).double()
         self.accuracy = torchmetrics.classification.BinaryAccuracy()
         self.values = torchmetrics.CatMetric()
+        self.own = torchmetrics.SumMetric(distributed_available_fn=lambda: False)  # the user's own: stays local
         self.computed: dict[str, Any] = {}
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -123,11 +124,13 @@ class _Classifier(L.LightningModule):
         labels = index % 2
         predictions = labels if RANK == 0 else 1 - labels
         self.accuracy.update(predictions, labels)
+        self.own.update(index.sum())
         self.log("val_acc", self.accuracy, on_epoch=True)
 
     def on_validation_epoch_end(self) -> None:
         self.values.update(torch.arange(RANK + 1, dtype=torch.float32))  # a different length on every rank
         self.computed["values"] = self.values.compute()
+        self.computed["own"] = self.own.compute().item()
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
@@ -138,6 +141,11 @@ def test_torchmetrics_sync_across_ranks() -> None:
     assert fit.callback_metrics["val_acc"].item() == pytest.approx(1 / SIZE), "accuracy was not synced"
     values = model.computed["values"]
     assert sorted(values.tolist()) == sorted(float(i) for r in range(SIZE) for i in range(r + 1))
+    mine = float(sum(range(RANK, SIZE * 4, SIZE)))  # the distributed sampler's share of this rank
+    assert model.computed["own"] == mine, "a module's metric with its own distributed_available_fn was synced"
+    model.values.reset()
+    model.values.update(torch.tensor([float(RANK)]))  # after validate returned, as under DDP: still synced
+    assert model.values.compute().tolist() == [float(r) for r in range(SIZE)]
 
 
 class _SumInCallback(L.Callback):
@@ -464,3 +472,16 @@ def test_bf16_true_precision_trains_in_sync() -> None:
     fit.fit(model, loader(torch.utils.data.TensorDataset(*(t.float() for t in data.tensors)), 8))
     assert fit.global_step == 2 and next(model.parameters()).dtype == torch.bfloat16
     assert_same_on_all_ranks(flat_parameters(model).float(), "bf16-true parameters")
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_attach_metric_sync_makes_a_modules_metrics_gather_over_mpi() -> None:
+    """The way to gather over MPI whatever ``distributed_available_fn`` a metric has (for a job that also
+    initialised torch.distributed): every metric inside the module, counted."""
+    module = nn.ModuleDict(
+        {"sum": torchmetrics.SumMetric(distributed_available_fn=lambda: False), "cat": torchmetrics.CatMetric()}
+    )
+    strategy = trainer().strategy
+    assert strategy.attach_metric_sync(module) == 2
+    module["sum"].update(torch.tensor(float(RANK + 1)))
+    assert module["sum"].compute().item() == SIZE * (SIZE + 1) / 2
