@@ -39,6 +39,7 @@ from mpistrategy.comm.watchdog import STALL_EXIT_CODE, set_stall_timeout, stall_
 tune_malloc()
 world()
 _watchdog.start(_MPI.COMM_WORLD)  # collective: the stall watchdog's own communicator
+_flight.identify_job(_MPI.COMM_WORLD)  # collective: the job's name in the flight records
 _flight.install_signal_handler()
 
 # Registers the "mpi_ad" strategy with lightning.pytorch / pytorch_lightning (now or when they are imported)

@@ -133,7 +133,8 @@ class MPIADStrategyConf:
     stall_timeout: float | None = None
     #: abort (exit code 86) or warn after a stall report (null: MPISTRATEGY_STALL_ACTION, default abort)
     stall_action: str | None = None
-    #: where each rank writes its flight record (null: MPISTRATEGY_FLIGHT_DIR, default ./mpistrategy_flight)
+    #: where each rank writes its flight record (null: MPISTRATEGY_FLIGHT_DIR, default
+    #: ./mpistrategy_flight, in a SLURM job ./mpistrategy_flight/slurm-<job id>)
     flight_dir: str | None = None
     model_parallel: bool = False
 

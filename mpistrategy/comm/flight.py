@@ -8,11 +8,13 @@ number on it, call site, start time and duration. :func:`dump` writes them to ``
 ``CommunicationError`` that ends the rank (:mod:`mpistrategy.strategy.failures`), SIGUSR1 (the process goes on;
 installed when mpistrategy is imported, unless the program has a handler of its own) and the strategy's coordinated
 stop on SIGTERM or SIGUSR1. The directory is ``MPISTRATEGY_FLIGHT_DIR``, or :func:`set_flight_directory`, default
-``./mpistrategy_flight``.
+``./mpistrategy_flight`` (``./mpistrategy_flight/slurm-<job id>`` in a SLURM job: jobs submitted from one folder
+keep theirs apart). Each record names its MPI job (:func:`identify_job`, agreed when mpistrategy is imported).
 
-``mpistrategy-flight DIR`` reads every ``rank*.json`` in ``DIR`` and, per communicator, walks the calls that every
-rank still holds in order of their number: the first number at which ranks called different ops or arguments, or
-that some ranks never reached, is the divergence it prints, with each rank's call and site.
+``mpistrategy-flight DIR`` reads every ``rank*.json`` in ``DIR``, keeps those of the newest job (a record left by an
+earlier job of more ranks is named and left out) and, per communicator, walks the calls that every rank still
+holds in order of their number: the first number at which ranks called different ops or arguments, or that some
+ranks never reached, is the divergence it prints, with each rank's call and site.
 """
 
 from __future__ import annotations
@@ -34,7 +36,22 @@ from mpi4py import MPI
 
 from mpistrategy.comm import calls
 
-_directory = os.environ.get("MPISTRATEGY_FLIGHT_DIR", "") or "mpistrategy_flight"
+
+def _default_directory() -> str:
+    job = os.environ.get("SLURM_JOB_ID", "")
+    return os.environ.get("MPISTRATEGY_FLIGHT_DIR", "") or os.path.join(
+        "mpistrategy_flight", f"slurm-{job}" if job else ""
+    )
+
+
+_directory = _default_directory()
+_job = f"{socket.gethostname()}-{os.getpid()}"
+
+
+def identify_job(comm: MPI.Intracomm) -> None:
+    """Name this MPI job in the flight records: rank 0's host, pid and start time (collective over ``comm``)."""
+    global _job
+    _job = comm.bcast(f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}" if comm.Get_rank() == 0 else None)
 
 
 def set_flight_directory(path: str | os.PathLike[str]) -> None:
@@ -59,6 +76,7 @@ def record(reason: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "rank": MPI.COMM_WORLD.Get_rank(),
         "size": MPI.COMM_WORLD.Get_size(),
+        "job": _job,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "reason": reason,
@@ -87,6 +105,15 @@ def dump(reason: str, extra: dict[str, Any] | None = None) -> Path | None:
     except Exception:  # noqa: BLE001
         Path(temporary).unlink(missing_ok=True)
         return None
+
+
+def where(path: Path | None) -> str:
+    """The line that tells where this rank's flight record went and how to compare the ranks' (empty if unwritten)."""
+    if path is None:
+        return ""
+    path = path.resolve()
+    rank = MPI.COMM_WORLD.Get_rank()
+    return f"[mpistrategy] rank {rank}'s flight record: {path} (compare the ranks': mpistrategy-flight {path.parent})\n"
 
 
 def _on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -127,6 +154,14 @@ def load(directory: Path) -> dict[int, dict[str, Any]]:
             raise FlightRecordError(f"{path}: not a flight record (not JSON: {exc})") from exc
         records[_checked(found, path)["rank"]] = found
     return records
+
+
+def of_newest_job(records: dict[int, dict[str, Any]]) -> tuple[dict[int, dict[str, Any]], list[int]]:
+    """The records of the job that wrote the newest one, and the ranks whose records an earlier job left (a record
+    without a job name belongs to no job and is kept)."""
+    newest = max(records.values(), key=lambda found: found.get("time", 0.0)).get("job")
+    kept = {rank: found for rank, found in records.items() if found.get("job", newest) == newest}
+    return kept, sorted(set(records) - set(kept))
 
 
 def _checked(found: Any, path: Path) -> dict[str, Any]:
@@ -213,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not records:
         print(f"no flight records (rank*.json) in {arguments.directory}", file=sys.stderr)
         return 2
+    records, earlier = of_newest_job(records)
+    if earlier:
+        names = ", ".join(f"rank{rank}.json" for rank in earlier)
+        print(f"left out {names}: written by an earlier job than the others")
     print(summary(records))
     missing = sorted(set(range(max(found["size"] for found in records.values()))) - set(records))
     if missing:

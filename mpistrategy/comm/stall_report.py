@@ -29,10 +29,16 @@ def _ago(state: dict[str, Any], call: dict[str, Any]) -> float:
 
 
 def format_report(
-    trigger: dict[str, Any], states: dict[int, dict[str, Any]], size: int, rank: int, timeout: float, action: str
+    trigger: dict[str, Any],
+    states: dict[int, dict[str, Any]],
+    size: int,
+    rank: int,
+    timeout: float,
+    action: str,
+    record: str = "",
 ) -> str:
     """The stall report as rank ``rank`` prints it: which ranks have not arrived, every rank's last collective, and
-    this rank's stack."""
+    this rank's stack; then ``record``, the line that says where its flight record is."""
     call = trigger["call"]
     if call is not None:
         waited_in = f"{call['call']} (call #{call['count']} on its communicator) at {call['site']}"
@@ -106,6 +112,8 @@ def format_report(
         for name, stack in own["stacks"].items():
             lines.append(f"[mpistrategy] rank {rank}'s stack ({name}), innermost last:")
             lines.append(stack.rstrip("\n"))
+    if record:
+        lines.append(record.rstrip("\n"))
     if action == "abort":
         lines.append(
             f"[mpistrategy] rank {rank} ends with exit code {STALL_EXIT_CODE} (stall watchdog; "

@@ -51,6 +51,7 @@ answer and is named as such.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import pickle
 import socket
@@ -479,9 +480,11 @@ class Watchdog:
             states.update((state["rank"], state) for _, state in arrived)
             if not arrived:
                 time.sleep(0.01)
-        text = format_report(trigger, states, self.size, self.rank, _timeout, _action)
-        flight.dump("stall", {"report": text, "states": {str(rank): state for rank, state in states.items()}})
-        _write(text)
+        report = functools.partial(format_report, trigger, states, self.size, self.rank, _timeout, _action)
+        path = flight.dump(
+            "stall", {"report": report(), "states": {str(rank): state for rank, state in states.items()}}
+        )
+        _write(report(flight.where(path)))
         if _action == "abort":
             self._wait_until_written(states)
             deadline = time.monotonic() + 1.0

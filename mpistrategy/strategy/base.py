@@ -88,7 +88,8 @@ class MPIStrategyBase:
         stall_action: ``"abort"`` (end the job with exit code 86 after the report) or ``"warn"``; ``None``:
             ``MPISTRATEGY_STALL_ACTION``, default ``"abort"``.
         flight_dir: where each rank writes its flight record (its last collectives) on a stall, an abort or a
-            signal; ``None``: ``MPISTRATEGY_FLIGHT_DIR``, default ``./mpistrategy_flight``.
+            signal; ``None``: ``MPISTRATEGY_FLIGHT_DIR``, default ``./mpistrategy_flight`` (in a SLURM job
+            ``./mpistrategy_flight/slurm-<job id>``).
         shard: split the optimizer state over the ranks (ZeRO, see :mod:`mpistrategy.strategy.sharding`):
             ``"optimizer"`` (stage 1: each rank keeps and steps ``1/N`` of the optimizer state, the updated
             parameters are allgathered), ``"gradients"`` (stage 2: also the averaged gradients are kept only for

@@ -100,7 +100,7 @@ def abort(error: BaseException, tb: TracebackType | None = None, code: int = 1) 
         return
     with _abort_lock:
         _write_stderr(format_failure(error, tb))
-        flight.dump(f"abort: {type(error).__name__}: {error}")
+        _write_stderr(flight.where(flight.dump(f"abort: {type(error).__name__}: {error}")))
         time.sleep(_OUTPUT_GRACE_SECONDS)
         abort_job(MPI.COMM_WORLD, code, _exit_process)
 

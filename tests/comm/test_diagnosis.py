@@ -6,7 +6,11 @@ tests/comm/scripts/unmatched_at_exit.py: communication no peer completes, waited
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +90,10 @@ def test_desynchronised_ranks_are_named_and_a_rank_that_never_arrives_ends_the_j
         for other in others:
             assert re.search(rf"rank {other} \(.*\): waiting \d+\.\d s in allreduce\(float32\[4\], op=sum\) #7", report)
         assert f"rank {rank} ends with exit code {STALL_EXIT_CODE}" in report
+        record = (tmp_path / f"rank{rank}.json").resolve()
+        assert (
+            f"rank {rank}'s flight record: {record} (compare the ranks': mpistrategy-flight {record.parent})" in report
+        )
     own_stack = output[output.index(f"rank {late}'s stack (MainThread)") :]
     expected = "time.sleep(120)" if late_in == "sleep" else "while time.time() < deadline:"
     assert expected in own_stack.split("[mpistrategy]")[0]
@@ -192,3 +200,33 @@ def test_the_flight_tool_refuses_a_file_that_is_no_flight_record(
     assert f"mpistrategy-flight: {tmp_path / 'rank0.json'}: not a flight record ({problem}" in capsys.readouterr().err
     assert flight_main([str(tmp_path / "rank0.json")]) == 2
     assert "is not a directory (give the folder of the rank*.json files)" in capsys.readouterr().err
+
+
+def test_the_flight_tool_leaves_out_the_records_an_earlier_job_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job of three ranks wrote rank0-2.json, a later job of two overwrote rank0 and rank1: rank2.json, whose
+    calls belong to the other job, is named and not compared."""
+    call = {"call": "allreduce(float32[4], op=sum)", "site": "train.py:9", "count": 1, "communicator": "0,1#0"}
+    for rank, job, written in [(0, "new", 20.0), (1, "new", 21.0), (2, "old", 10.0)]:
+        record = {"rank": rank, "size": 2 if job == "new" else 3, "host": "node", "pid": rank, "reason": "stall"}
+        late = {**call, "call": "broadcast(root=0)", "communicator": "0,1,2#0"}
+        calls = [call] if job == "new" else [late]
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({**record, "job": job, "time": written, "calls": calls}))
+    assert flight_main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("left out rank2.json: written by an earlier job than the others\n")
+    assert "rank 2 (" not in printed and "no record from" not in printed
+    assert "no divergence in the calls all ranks recorded" in printed
+
+
+def test_in_a_slurm_job_the_flight_records_go_to_a_folder_of_the_job(tmp_path: Path) -> None:
+    environment = {key: value for key, value in os.environ.items() if key != "MPISTRATEGY_FLIGHT_DIR"}
+    show = "from mpistrategy.comm.flight import flight_directory; print(flight_directory())"
+    shown = [
+        subprocess.run(
+            [sys.executable, "-c", show], env={**environment, **extra}, cwd=tmp_path, capture_output=True, text=True
+        ).stdout.strip()
+        for extra in ({"SLURM_JOB_ID": "4711"}, {"SLURM_JOB_ID": "4711", "MPISTRATEGY_FLIGHT_DIR": "mine"})
+    ]
+    assert shown == [os.path.join("mpistrategy_flight", "slurm-4711"), "mine"]
