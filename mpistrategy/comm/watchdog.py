@@ -87,6 +87,8 @@ _CROSS_GRACE = 2 * _SKIP_GRACE
 _PASSES_KEPT = 8
 # The launcher forwards a report's output before it tears the job down within this time.
 _OUTPUT_SECONDS = 0.5
+# At exit, after every rank has ended its script, how long a rank waits for the others' last messages to arrive.
+_DRAIN_SECONDS = 2.0
 _exit_process = os._exit
 
 
@@ -168,13 +170,18 @@ class Watchdog:
         self._cross_reported = False
         # when each peer that told so ended its script (time.time() of its message's arrival here)
         self._peers_ended: dict[int, float] = {}
+        self._heard_ended: set[int] = set()  # the peers whose _ENDED has been received
+        self._all_ended = False  # every rank has ended its script (wait_for_the_others' barrier completed)
         self._thread = threading.Thread(target=self._run, name="mpistrategy-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (returns once it has left MPI)."""
+        """Stop the thread (returns once it has left MPI); after :meth:`wait_for_the_others`, receive what the other
+        watchdogs sent that the thread had not (MPI must not be finalised with messages left unreceived)."""
         self._stopping.set()
         self._thread.join()
+        if self._all_ended:
+            self._drain()
         for request in self._sends:
             if not request.Test():
                 request.Cancel()
@@ -187,8 +194,7 @@ class Watchdog:
         if os.getpid() != self._pid or not MPI.Is_initialized() or MPI.Is_finalized():
             return
         self._ended = time.time()
-        if _timeout > 0:
-            self._tell_others(self._ended, _ENDED)
+        self._tell_others(self._ended, _ENDED)
         try:
             request = self.comm.Ibarrier()
             pause = 0.001
@@ -196,7 +202,23 @@ class Watchdog:
                 time.sleep(pause)
                 pause = min(0.05, 2 * pause)
         except MPI.Exception:  # a rank that is gone: MPI_Finalize and the launcher take it from here
-            pass
+            return
+        self._all_ended = True
+
+    def _drain(self) -> None:
+        """Receive every message still on its way here: each rank's ``_ENDED`` is the last it sends to each other
+        rank before the barrier, and messages from one rank arrive in order, so once every peer's has arrived
+        nothing more is coming (bounded wait: a peer whose message never comes is left to ``MPI_Finalize``)."""
+        status = MPI.Status()
+        deadline = time.monotonic() + _DRAIN_SECONDS
+        while len(self._heard_ended) < self.size - 1 and time.monotonic() < deadline:
+            if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                time.sleep(0.001)
+                continue
+            message = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv([message, MPI.BYTE], status.Get_source(), status.Get_tag())
+            if status.Get_tag() == _ENDED:
+                self._heard_ended.add(status.Get_source())
 
     def _interval(self) -> float:
         return 1.0 if _timeout <= 0 else min(1.0, max(0.05, _timeout / 10))
@@ -384,6 +406,7 @@ class Watchdog:
         (:func:`~mpistrategy.comm.deadlocks.ended_members`; sent to every rank), else ``None``; once."""
         for peer, _ in self._arrived(_ENDED):
             self._peers_ended.setdefault(peer, time.time())
+            self._heard_ended.add(peer)
         current, now = calls.current, time.time()
         if since is None or current is None or now - since <= _SKIP_GRACE:
             return None

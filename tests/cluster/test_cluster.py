@@ -90,6 +90,22 @@ def test_two_nodes_of_two_ranks_talk_through_the_shaped_link() -> None:
 
 
 @needs_cluster
+def test_a_job_ends_with_every_message_between_nodes_received() -> None:
+    """The stall watchdogs' messages at exit cross the link too: each is received before MPI_Finalize, for which
+    UCX would otherwise warn ``unexpected tag-receive descriptor ... was not matched``."""
+    with EmulatedCluster(nodes=2, rate="unshaped") as cluster:
+        done = cluster.run(
+            [sys.executable, "-c", "import mpistrategy"],
+            ranks_per_node=2,
+            env=clean_environ(),
+            timeout=120,
+            capture_output=True,
+        )
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "was not matched" not in done.stdout + done.stderr, done.stderr[-3000:]
+
+
+@needs_cluster
 def test_a_failing_job_ends_and_the_cluster_and_mpich_files_are_removed() -> None:
     # Rank 0 fails while the ranks of the other node wait in a barrier; MPICH leaves its files, run removes them.
     with pytest.raises(subprocess.CalledProcessError) as failure:
