@@ -34,7 +34,8 @@ from mpistrategy.comm.communicator import Communicator, world
 from mpistrategy.comm.errors import CommunicationError
 from mpistrategy.comm.flight import set_flight_directory
 from mpistrategy.comm.shm import set_shared_memory, shared_memory
-from mpistrategy.comm.watchdog import STALL_EXIT_CODE, set_stall_timeout, stall_timeout
+from mpistrategy.comm.stall_report import STALL_EXIT_CODE
+from mpistrategy.comm.stall_settings import set_stall_timeout, stall_timeout
 
 tune_malloc()
 world()

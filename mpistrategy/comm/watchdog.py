@@ -42,10 +42,8 @@ has ended its own, its watchdog still answering: a rank that finished while anot
 in the report as ended, and every rank exits by itself, instead of one sitting silent in ``MPI_Finalize`` until
 ``MPI_Abort`` reaches it. The wait at exit never raises an alarm of its own (ranks end at different times).
 
-Settings: ``MPISTRATEGY_STALL_TIMEOUT`` (seconds, default :data:`DEFAULT_TIMEOUT`; 0 turns the watchdog off) and
-``MPISTRATEGY_STALL_ACTION`` (``"abort"``, the default, or ``"warn"``), or :func:`set_stall_timeout` in Python (on
-every rank alike). A rank whose watchdog thread cannot run (a C extension holding the GIL, a dead process) does not
-answer and is named as such.
+Settings: :mod:`mpistrategy.comm.stall_settings`. A rank whose watchdog thread cannot run (a C extension holding
+the GIL, a dead process) does not answer and is named as such.
 """
 
 from __future__ import annotations
@@ -70,10 +68,7 @@ from mpistrategy.comm.abort import abort_job
 from mpistrategy.comm.deadlocks import crossed_peer, ended_members
 from mpistrategy.comm.frames import call_site, innermost_inside, inside_package, now_at, short_path
 from mpistrategy.comm.stall_report import STALL_EXIT_CODE, counted, format_report
-
-#: the default stall timeout in seconds: longer than any healthy wait in a collective on a cluster
-DEFAULT_TIMEOUT = 300.0
-ACTIONS = ("abort", "warn")
+from mpistrategy.comm.stall_settings import stall_action, stall_timeout
 
 # How long a rank waits for the others' states once a stall is reported (their watchdogs poll once a second).
 _ANSWER_SECONDS = 3.0
@@ -90,53 +85,6 @@ _OUTPUT_SECONDS = 0.5
 # At exit, after every rank has ended its script, how long a rank waits for the others' last messages to arrive.
 _DRAIN_SECONDS = 2.0
 _exit_process = os._exit
-
-
-def _timeout_from_environment() -> float:
-    text = os.environ.get("MPISTRATEGY_STALL_TIMEOUT", "").strip()
-    try:
-        seconds = float(text) if text else DEFAULT_TIMEOUT
-    except ValueError:
-        raise ValueError(
-            f"MPISTRATEGY_STALL_TIMEOUT={text!r} is not a number of seconds; set it to e.g. 300, or 0 to turn the "
-            "stall watchdog off."
-        ) from None
-    return _checked_timeout(seconds)
-
-
-def _checked_timeout(seconds: float) -> float:
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
-        raise ValueError(f"stall timeout: {seconds!r} is not a number of seconds >= 0 (0 turns the watchdog off).")
-    return float(seconds)
-
-
-def _checked_action(action: str) -> str:
-    if action not in ACTIONS:
-        raise ValueError(f"stall action: {action!r} is not one of {ACTIONS}.")
-    return action
-
-
-_timeout = _timeout_from_environment()
-_action = _checked_action(os.environ.get("MPISTRATEGY_STALL_ACTION", "abort").strip().lower() or "abort")
-
-
-def set_stall_timeout(seconds: float, action: str | None = None) -> None:
-    """Report a rank that waited more than ``seconds`` in a collective (0: never); ``action`` ``"abort"`` ends the
-    job with exit code :data:`STALL_EXIT_CODE` after the report, ``"warn"`` only reports. Call it on every rank."""
-    global _timeout, _action
-    _timeout = _checked_timeout(seconds)
-    if action is not None:
-        _action = _checked_action(action)
-
-
-def stall_timeout() -> float:
-    """The stall timeout in seconds (0: the watchdog is off)."""
-    return _timeout
-
-
-def stall_action() -> str:
-    """``"abort"`` or ``"warn"``: what the watchdog does after its report."""
-    return _action
 
 
 class Watchdog:
@@ -221,12 +169,13 @@ class Watchdog:
                 self._heard_ended.add(status.Get_source())
 
     def _interval(self) -> float:
-        return 1.0 if _timeout <= 0 else min(1.0, max(0.05, _timeout / 10))
+        timeout = stall_timeout()
+        return 1.0 if timeout <= 0 else min(1.0, max(0.05, timeout / 10))
 
     def _run(self) -> None:
         while not self._stopping.wait(self._interval()):
             trigger = self._received_alarm()
-            if trigger is None and _timeout > 0:
+            if trigger is None and stall_timeout() > 0:
                 since = self._waiting_since() if self._ended is None else None
                 trigger = (
                     self._uneven_data()
@@ -251,7 +200,7 @@ class Watchdog:
         ended)."""
         self._own_counts.setdefault(training_pass, {})[kind] = batches
         _keep_recent(self._own_counts)
-        if _timeout <= 0:
+        if stall_timeout() <= 0:
             return
         self._tell_others((self.rank, training_pass, batches, kind), _DATA_END)
 
@@ -259,7 +208,7 @@ class Watchdog:
         """This rank has entered ``name``, a call every rank must make (``advice``: how to call it right); tells
         every other rank's watchdog."""
         count = self._entered[name] = self._entered.get(name, 0) + 1
-        if _timeout <= 0:
+        if stall_timeout() <= 0:
             return
         file, line = call_site()
         entry = {"rank": self.rank, "name": name, "count": count, "advice": advice, "at": self._position()}
@@ -301,7 +250,7 @@ class Watchdog:
         """This rank's alarm, once it has waited in mpistrategy (since ``since``) longer than the timeout (sent to
         every rank)."""
         waited = time.time() - since
-        if waited <= _timeout or self._polled_key == self._reported_key:
+        if waited <= stall_timeout() or self._polled_key == self._reported_key:
             return None
         self._reported_key = self._polled_key
         return self._alarm(waited)
@@ -503,12 +452,14 @@ class Watchdog:
             states.update((state["rank"], state) for _, state in arrived)
             if not arrived:
                 time.sleep(0.01)
-        report = functools.partial(format_report, trigger, states, self.size, self.rank, _timeout, _action)
+        report = functools.partial(
+            format_report, trigger, states, self.size, self.rank, stall_timeout(), stall_action()
+        )
         path = flight.dump(
             "stall", {"report": report(), "states": {str(rank): state for rank, state in states.items()}}
         )
         _write(report(flight.where(path)))
-        if _action == "abort":
+        if stall_action() == "abort":
             self._wait_until_written(states)
             deadline = time.monotonic() + 1.0
             while self._sends and not MPI.Request.Testall(self._sends) and time.monotonic() < deadline:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from mpistrategy.aggregation.base import Aggregator
 from mpistrategy.aggregation.registry import aggregator_from
-from mpistrategy.comm import flight, watchdog
+from mpistrategy.comm import flight, stall_settings
 from mpistrategy.comm.communicator import world
 from mpistrategy.comm.topology import Topology
 from mpistrategy.comm.traffic import TrafficCounter
@@ -131,8 +131,8 @@ class MPIStrategyBase:
         shard: str | None = None,
     ) -> None:
         if stall_timeout is not None or stall_action is not None:
-            watchdog.set_stall_timeout(
-                watchdog.stall_timeout() if stall_timeout is None else stall_timeout, stall_action
+            stall_settings.set_stall_timeout(
+                stall_settings.stall_timeout() if stall_timeout is None else stall_timeout, stall_action
             )
         if flight_dir is not None:
             flight.set_flight_directory(flight_dir)

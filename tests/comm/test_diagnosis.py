@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from mpistrategy.comm.flight import main as flight_main
-from mpistrategy.comm.watchdog import STALL_EXIT_CODE, set_stall_timeout, stall_timeout
+from mpistrategy.comm.stall_report import STALL_EXIT_CODE
+from mpistrategy.comm.stall_settings import set_stall_timeout, stall_timeout
 from tests.external_job import OUTER_RUN_ONLY, marked_line, run_mpi_job
 
 pytestmark = OUTER_RUN_ONLY

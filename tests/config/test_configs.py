@@ -223,17 +223,17 @@ def test_the_slurm_launchers_compose_for_submitit(launcher: str, partition: str 
 
 
 def test_the_stall_watchdog_and_flight_recorder_are_strategy_options(tmp_path: Path) -> None:
-    from mpistrategy.comm import flight, watchdog
+    from mpistrategy.comm import flight, stall_settings
     from mpistrategy.recipes.builders import build_run
 
-    before = (watchdog.stall_timeout(), watchdog.stall_action(), flight.flight_directory())
+    before = (stall_settings.stall_timeout(), stall_settings.stall_action(), flight.flight_directory())
     overrides = ["strategy.stall_timeout=42", "strategy.stall_action=warn", f"strategy.flight_dir={tmp_path}/flight"]
     try:
         build_run(_compose(overrides, tmp_path))
-        assert (watchdog.stall_timeout(), watchdog.stall_action()) == (42.0, "warn")
+        assert (stall_settings.stall_timeout(), stall_settings.stall_action()) == (42.0, "warn")
         assert flight.flight_directory() == tmp_path / "flight"
     finally:
-        watchdog.set_stall_timeout(before[0], before[1])
+        stall_settings.set_stall_timeout(before[0], before[1])
         flight.set_flight_directory(before[2])
 
 

@@ -188,19 +188,23 @@ def test_fabric_rank_skipping_a_backward_pass_is_reported(tmp_path: Path) -> Non
 
 
 def test_strategy_options_set_the_stall_watchdog_and_the_flight_directory(tmp_path: Path) -> None:
-    from mpistrategy.comm import flight, watchdog
+    from mpistrategy.comm import flight, stall_settings
     from mpistrategy.strategy.mpi_ad import MPIADStrategy
 
-    before = (watchdog.stall_timeout(), watchdog.stall_action(), flight.flight_directory())
+    before = (stall_settings.stall_timeout(), stall_settings.stall_action(), flight.flight_directory())
     try:
         MPIADStrategy(stall_timeout=7, stall_action="warn", flight_dir=str(tmp_path))
-        assert (watchdog.stall_timeout(), watchdog.stall_action(), flight.flight_directory()) == (7.0, "warn", tmp_path)
+        assert (stall_settings.stall_timeout(), stall_settings.stall_action(), flight.flight_directory()) == (
+            7.0,
+            "warn",
+            tmp_path,
+        )
         MPIADStrategy(stall_action="abort")  # the timeout stays
-        assert (watchdog.stall_timeout(), watchdog.stall_action()) == (7.0, "abort")
+        assert (stall_settings.stall_timeout(), stall_settings.stall_action()) == (7.0, "abort")
         with pytest.raises(ValueError, match="stall timeout: -1 is not a number of seconds"):
             MPIADStrategy(stall_timeout=-1)
     finally:
-        watchdog.set_stall_timeout(before[0], before[1])
+        stall_settings.set_stall_timeout(before[0], before[1])
         flight.set_flight_directory(before[2])
 
 
