@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -29,7 +30,6 @@ QUIET_TRAINER = dict(
 
 def integer_in(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse ``type``: an integer from ``low`` to ``high`` (no upper bound when ``None``)."""
-    import argparse
 
     def parse(text: str) -> int:
         allowed = f"{low} to {high}" if high is not None else f"{low} or more"
@@ -46,7 +46,6 @@ def integer_in(low: int, high: int | None = None) -> Callable[[str], int]:
 
 def positive_float(text: str) -> float:
     """An argparse ``type``: a finite number above zero."""
-    import argparse
     import math
 
     try:
@@ -67,11 +66,24 @@ def check_timed_steps(parser, args) -> None:
         )
 
 
+def writable_directory(text: str) -> Path:
+    """An argparse type: a directory that exists or can be made, and can be written to (checked before any work,
+    so that a run's figures are not lost at its end)."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the directory {text!r}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into the directory {text!r}")
+    return path
+
+
 def add_results_argument(parser, what: str) -> None:
     """``--results DIR``: where to write ``what`` (see :func:`results_of` for the default)."""
     parser.add_argument(
         "--results",
-        type=Path,
+        type=writable_directory,
         help=f"where to write {what} (default benchmarks/results; with --quick, benchmarks/results/quick)",
     )
 

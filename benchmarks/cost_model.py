@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, positive_float, save  # noqa: E402
+from _launch import RESULTS, positive_float, save, writable_directory  # noqa: E402
 
 SWEEP_SIZES = [2**10, 2**13, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26]  # bytes
 SWEEP_PREFIX = "COST_MODEL_SWEEP "
@@ -655,7 +655,7 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help="run the sweeps on the emulated cluster (root)")
     parser.add_argument("--rate", default="1gbit", help="the sweeps' link rate (the benchmark's)")
     parser.add_argument("--benchmark", type=Path, default=RESULTS / "hierarchical.json", help="the measured steps")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write cost_model.*")
+    parser.add_argument("--results", type=writable_directory, default=RESULTS, help="where to write cost_model.*")
     parser.add_argument(
         "--latency-us", type=positive_float, help="project with this latency between nodes (default: the fitted ones)"
     )

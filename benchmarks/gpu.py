@@ -64,7 +64,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, add_encoder_arguments, encoder_record, paired_range, run_under_mpi, save  # noqa: E402
+from _launch import (  # noqa: E402
+    RESULTS,
+    add_encoder_arguments,
+    encoder_record,
+    paired_range,
+    run_under_mpi,
+    save,
+    writable_directory,
+)
 
 CONTENDERS = ("mpi_ad", "mpi_ad_host", "ddp", "hand", "local", "lightning_local")
 RATIOS = (
@@ -126,7 +134,9 @@ def _arguments() -> argparse.Namespace:
         "--aggregation", choices=SCHEMES, default="mean", help="how mpi_ad combines gradients (default: the mean)"
     )
     parser.add_argument(
-        "--results", type=Path, help="where to write gpu.json and gpu.png (on CUDA by default benchmarks/results)"
+        "--results",
+        type=writable_directory,
+        help="where to write gpu.json and gpu.png (on CUDA by default benchmarks/results)",
     )
     parser.add_argument("--part", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -30,11 +30,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, add_encoder_arguments, encoder_record, run_under_mpi, save  # noqa: E402
+from _launch import RESULTS, add_encoder_arguments, encoder_record, run_under_mpi, save, writable_directory  # noqa: E402
 
 PARTS = ("device_to_host", "host_sums", "host_to_device")
 TIMES = ("alone", "step", "backward_returned", "wait_returned", *PARTS)
@@ -63,7 +62,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="steps measured per configuration")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped first")
     parser.add_argument("--quick", action="store_true", help="3 steps after 1 dropped")
-    parser.add_argument("--results", type=Path, help="where to write gpu_staging.json (on CUDA by default results/)")
+    parser.add_argument(
+        "--results", type=writable_directory, help="where to write gpu_staging.json (on CUDA by default results/)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup = 3, 1

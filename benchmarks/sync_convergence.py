@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, ensure_mpi, integer_in, save  # noqa: E402
+from _launch import RESULTS, ensure_mpi, integer_in, save, writable_directory  # noqa: E402
 
 RANKS = 4
 RANKS_PER_NODE = 2
@@ -53,7 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=integer_in(1), default=6, help="epochs per mode")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes (flat first)")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where to write the JSON and PNG")
+    parser.add_argument("--results", type=writable_directory, default=RESULTS, help="where to write the JSON and PNG")
     args = parser.parse_args()
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))

@@ -234,6 +234,8 @@ BAD_ARGUMENTS = [
     ("hierarchical.py", ["--rate", "fast"], "link rate 'fast': give bits per second in tc's units"),
     ("sync_convergence.py", ["--epochs", "0"], "argument --epochs: 0 is out of range; give 1 or more"),
     ("cost_model.py", ["--latency-us", "-5"], "argument --latency-us: -5.0 is not a finite number above zero"),
+    ("cluster_allreduce.py", ["--results", "/proc/nope"], "argument --results: cannot make the directory '/proc/nope'"),
+    ("gpu.py", ["--results", "/proc/nope"], "argument --results: cannot make the directory '/proc/nope'"),
 ]
 
 
