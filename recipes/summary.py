@@ -130,6 +130,21 @@ def bytes_sent(strategy: Any) -> dict[str, Any]:
     return {"bytes_sent": {"total": traffic.total, "node": traffic.total_node, "inter_node": traffic.total_inter_node}}
 
 
+def parallel_layout(strategy: Any) -> dict[str, Any]:
+    """The nodes (and ranks on each) an mpistrategy strategy ran on, its sync mode and its aggregator, as the run
+    summary records them; empty for another strategy."""
+    sync, aggregator = getattr(strategy, "sync", None), getattr(strategy, "aggregator", None)
+    if sync is None or aggregator is None:
+        return {}
+    topology = strategy.topology
+    return {
+        "nodes": topology.num_nodes,
+        "ranks_per_node": list(topology.node_sizes),
+        "sync": repr(sync),
+        "aggregator": repr(aggregator),
+    }
+
+
 def _megabytes(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
 
@@ -139,6 +154,10 @@ def print_table(summary: dict[str, Any]) -> None:
     for key in ("experiment", "world_size", "strategy", "epochs", "global_step", "fit_seconds", "samples_per_second"):
         if key in summary:
             rows.append((key, str(summary[key])))
+        if key == "strategy" and "nodes" in summary:
+            sizes = " + ".join(map(str, summary["ranks_per_node"]))
+            rows.append(("nodes", f"{summary['nodes']} ({sizes} ranks)"))
+            rows += [("sync", summary["sync"]), ("aggregator", summary["aggregator"])]
     if "bytes_sent" in summary:
         sent = summary["bytes_sent"]
         split = f"node {_megabytes(sent['node'])}, inter-node {_megabytes(sent['inter_node'])}"

@@ -190,7 +190,7 @@ def train(cfg: DictConfig) -> float | None:
 
     import mpistrategy  # noqa: F401  (registers strategy="mpi_ad"; wraps MPI.COMM_WORLD)
     from mpistrategy.recipes.builders import build_run
-    from mpistrategy.recipes.summary import SUMMARY_FILE, bytes_sent, summarize_run
+    from mpistrategy.recipes.summary import SUMMARY_FILE, bytes_sent, parallel_layout, summarize_run
     from mpistrategy.strategy import failures
 
     rank_zero_only.rank = hydra_mpi.rank()
@@ -274,6 +274,7 @@ def train(cfg: DictConfig) -> float | None:
             "resumed_from": ckpt_path,
             "run_dir": str(output_dir),
             "metrics": metrics,
+            **parallel_layout(trainer.strategy),
             **bytes_sent(trainer.strategy),
             **(timer.stats() if timer is not None else {}),
         }

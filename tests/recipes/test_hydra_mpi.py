@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -45,6 +46,9 @@ def test_a_two_rank_run_writes_one_run_dir_with_one_config_copy_and_one_set_of_l
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == "MPIADStrategy"
+    assert (summary["nodes"], summary["ranks_per_node"]) == (1, [2])
+    assert (summary["sync"], summary["aggregator"]) == ("FlatSync()", "MeanAggregator()")
+    assert re.search(r"nodes +│? *1 \(2 ranks\)", result.stdout), result.stdout[-3000:]
     log_text = (run_dir / "train.log").read_text()
     assert "rank 0 of 2" in log_text and "rank 1 of 2" not in log_text
     # Nothing anywhere else: no second run dir, no ./outputs, no lightning_logs.

@@ -33,6 +33,7 @@ def test_hierarchical_gpu_template_runs_daso_on_two_virtual_nodes_of_a_cpu_node(
     assert config["strategy"]["sync"] == "daso" and config["strategy"]["node_transport"] == "gloo"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["epochs"] == 3
+    assert (summary["nodes"], summary["ranks_per_node"]) == (2, [2, 2]) and summary["sync"].startswith("DASO(")
     assert summary["final"]["val/acc"] > 0.8, summary
     sent = summary["bytes_sent"]  # rank 0 is a node leader: it sends inside its node and across nodes
     assert sent["node"] > 0 and sent["inter_node"] > 0 and sent["total"] == sent["node"] + sent["inter_node"]
