@@ -146,11 +146,11 @@ def run_under_mpi(ranks: int, *extra_args: str) -> int:
     env = without_launcher_variables(os.environ)
     env["MPISTRATEGY_BENCH_CHILD"] = "1"
     job = [*command, "-n", str(ranks), sys.executable, *sys.argv, *extra_args]
-    return subprocess.call(job, env=env, preexec_fn=_end_with_parent)
+    return subprocess.call(job, env=env, preexec_fn=end_with_parent)
 
 
-def _end_with_parent() -> None:
-    """In the launched ``mpiexec``, before it starts: SIGTERM when this script's process dies, even by SIGKILL
+def end_with_parent() -> None:
+    """In a launched ``mpiexec``, before it starts: SIGTERM when this script's process dies, even by SIGKILL
     (Linux ``prctl(PR_SET_PDEATHSIG)``), so that ``mpiexec`` ends its ranks instead of leaving them running."""
     import ctypes
     import signal

@@ -54,7 +54,7 @@ from typing import IO, Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import _netns  # noqa: E402
-from _launch import integer_in  # noqa: E402
+from _launch import end_with_parent, integer_in  # noqa: E402
 from _netns import LinkBytes, NetworkSetupError, Node  # noqa: E402
 
 __all__ = [
@@ -299,6 +299,7 @@ class EmulatedCluster:
                 stderr=pipe,
                 text=True,
                 start_new_session=True,
+                preexec_fn=end_with_parent,
             )
             try:
                 out, err = job.communicate(timeout=timeout)

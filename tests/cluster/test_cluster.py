@@ -199,7 +199,7 @@ def test_the_script_removes_the_cluster_when_interrupted(signum: int) -> None:
 
 
 @needs_cluster
-def test_the_leftovers_of_a_killed_run_are_removed_by_the_next_one() -> None:
+def test_a_killed_runs_job_ends_and_its_namespaces_are_removed_by_the_next_run() -> None:
     script = _start_script("--nodes", "2", "--rate", "unshaped", "--", sys.executable, "-c", SLEEPER)
     try:
         run_name, rank_pids = _wait_for_ranks(script, 2)
@@ -207,7 +207,11 @@ def test_the_leftovers_of_a_killed_run_are_removed_by_the_next_one() -> None:
         script.wait(timeout=30)
     finally:
         _kill(script)
-    assert len(_netns.namespaces_of(run_name)) == 3 and all(_netns.is_running(pid) for pid in rank_pids)
+    deadline = time.monotonic() + 15  # mpiexec gets SIGTERM when the script dies, and ends the ranks
+    while any(_netns.is_running(pid) for pid in rank_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in rank_pids if _netns.is_running(pid)], "the ranks outlived the killed script"
+    assert len(_netns.namespaces_of(run_name)) == 3
     with EmulatedCluster(nodes=1, rate=None) as cluster:
         assert run_name in cluster.removed_stale
         assert _leftovers(run_name) == [] and not [pid for pid in rank_pids if _netns.is_running(pid)]
