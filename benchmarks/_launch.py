@@ -79,6 +79,21 @@ def writable_directory(text: str) -> Path:
     return path
 
 
+def quick_defaults(parser, args, **values) -> None:
+    """With ``--quick``: set each of ``values`` (option name to value) on ``args``, except the options given on the
+    command line, which win."""
+    if not getattr(args, "quick", False):
+        return
+    given = set()
+    for action in parser._actions:
+        for option in action.option_strings:
+            if any(token == option or token.startswith(f"{option}=") for token in sys.argv[1:]):
+                given.add(action.dest)
+    for name, value in values.items():
+        if name not in given:
+            setattr(args, name, value)
+
+
 def add_results_argument(parser, what: str) -> None:
     """``--results DIR``: where to write ``what`` (see :func:`results_of` for the default)."""
     parser.add_argument(

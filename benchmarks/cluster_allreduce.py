@@ -23,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import add_results_argument, integer_in, paired_ratios, positive_float, results_of, save  # noqa: E402
+from _launch import add_results_argument, integer_in, paired_ratios, positive_float, quick_defaults, results_of, save  # noqa: E402
 from cluster import EmulatedCluster, parse_rate  # noqa: E402
 
 RANKS = 4
@@ -45,8 +45,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.results = results_of(args)
-    if args.quick:
-        args.mb, args.rounds, args.calls = 4.0, 1, 2
+    quick_defaults(parser, args, mb=4.0, rounds=1, calls=2)
     elements = int(args.mb * 1e6) // 4
     if args.worker:
         _worker(elements, args.calls)

@@ -35,6 +35,7 @@ from _launch import (  # noqa: E402
     ensure_mpi,
     integer_in,
     paired_ratios,
+    quick_defaults,
     results_of,
     save,
     share_cores,
@@ -63,8 +64,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 epoch, 2 rounds of 10 steps")
     add_results_argument(parser, "the JSON and PNG")
     args = parser.parse_args()
-    if args.quick:
-        args.epochs, args.steps, args.warmup, args.rounds = 1, 10, 3, 2
+    quick_defaults(parser, args, epochs=1, steps=10, warmup=3, rounds=2)
     check_timed_steps(parser, args)
     args.results = results_of(args)
     ensure_mpi(2)

@@ -28,7 +28,7 @@ import timeit
 import warnings
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import add_results_argument, check_timed_steps, ensure_mpi, integer_in, results_of, save  # noqa: E402
+from _launch import add_results_argument, check_timed_steps, ensure_mpi, integer_in, quick_defaults, results_of, save  # noqa: E402
 
 TARGET_ALLREDUCE_US = 15.0
 TARGET_STEP_RATIO = 1.01
@@ -53,8 +53,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10 blocks, 3 rounds of 20 steps")
     add_results_argument(parser, "the JSON")
     args = parser.parse_args()
-    if args.quick:
-        args.blocks, args.rounds, args.steps = 10, 3, 20
+    quick_defaults(parser, args, blocks=10, rounds=3, steps=20)
     check_timed_steps(parser, args)
     args.results = results_of(args)
     ensure_mpi(2)

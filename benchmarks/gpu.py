@@ -69,6 +69,7 @@ from _launch import (  # noqa: E402
     add_encoder_arguments,
     encoder_record,
     paired_range,
+    quick_defaults,
     run_under_mpi,
     save,
     writable_directory,
@@ -140,8 +141,7 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--part", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.quick:
-        args.steps, args.warmup, args.rounds = 6, 2, 2
+    quick_defaults(parser, args, steps=6, warmup=2, rounds=2)
     problems = _problems(args)
     if problems:
         parser.error("; ".join(problems))

@@ -33,7 +33,15 @@ import time
 from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import RESULTS, add_encoder_arguments, encoder_record, run_under_mpi, save, writable_directory  # noqa: E402
+from _launch import (  # noqa: E402
+    RESULTS,
+    add_encoder_arguments,
+    encoder_record,
+    quick_defaults,
+    run_under_mpi,
+    save,
+    writable_directory,
+)
 
 PARTS = ("device_to_host", "host_sums", "host_to_device")
 TIMES = ("alone", "step", "backward_returned", "wait_returned", *PARTS)
@@ -66,8 +74,7 @@ def _arguments() -> argparse.Namespace:
         "--results", type=writable_directory, help="where to write gpu_staging.json (on CUDA by default results/)"
     )
     args = parser.parse_args()
-    if args.quick:
-        args.steps, args.warmup = 3, 1
+    quick_defaults(parser, args, steps=3, warmup=1)
     if args.device == "cpu" and args.results is None:
         parser.error("--device cpu: give --results DIR (benchmarks/results holds GPU figures only)")
     if min(args.steps, args.ranks, *args.caps) <= 0 or args.warmup < 0:

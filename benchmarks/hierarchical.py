@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _launch import add_results_argument, integer_in, paired_ratios, results_of, save  # noqa: E402
+from _launch import add_results_argument, integer_in, paired_ratios, quick_defaults, results_of, save  # noqa: E402
 from cluster import parse_rate  # noqa: E402
 
 NODES = 2
@@ -125,8 +125,7 @@ def main() -> None:
     unknown = sorted(set(contenders) - set(available_contenders()))
     if unknown:
         parser.error(f"--contenders: unknown {unknown}; pick from {', '.join(available_contenders())}")
-    if args.quick:
-        args.rounds, args.epochs, args.warmup = 1, 1, 1
+    quick_defaults(parser, args, rounds=1, epochs=1, warmup=1)
     settings = {
         "hidden": 256 if args.quick else HIDDEN,
         "epochs": args.epochs,

@@ -52,6 +52,7 @@ from _launch import (  # noqa: E402
     integer_in,
     lightning_environment,
     paired_range,
+    quick_defaults,
     results_of,
     save,
 )
@@ -69,8 +70,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 20 steps")
     add_results_argument(parser, "the JSON and PNG")
     args = parser.parse_args()
-    if args.quick:
-        args.steps, args.rounds = 20, 3
+    quick_defaults(parser, args, steps=20, rounds=3)
     check_timed_steps(parser, args)
     args.results = results_of(args)
     ensure_mpi(2)

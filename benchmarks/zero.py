@@ -45,6 +45,7 @@ from _launch import (  # noqa: E402
     integer_in,
     lightning_environment,
     paired_range,
+    quick_defaults,
     results_of,
     run_under_mpi,
     save,
@@ -77,8 +78,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round of 6 steps (1 warm-up)")
     add_results_argument(parser, "the JSON and PNG")
     args = parser.parse_args()
-    if args.quick:
-        args.steps, args.warmup, args.rounds = 6, 1, 1
+    quick_defaults(parser, args, steps=6, warmup=1, rounds=1)
     check_timed_steps(parser, args)
     args.results = results_of(args)
     from mpi4py import MPI

@@ -229,6 +229,7 @@ BAD_ARGUMENTS = [
     ("diagnosis.py", ["--calls", "0"], "argument --calls: 0 is out of range; give 1 or more"),
     ("zero.py", ["--ranks", "0"], "argument --ranks: 0 is out of range; give 1 or more"),
     ("zero.py", ["--steps", "1", "--warmup", "1"], "--steps 1 leaves no timed step after --warmup 1"),
+    ("zero.py", ["--quick", "--steps=1", "--warmup", "1"], "--steps 1 leaves no timed step after --warmup 1"),
     ("collectives.py", ["--sizes", "0"], "argument --sizes: 0 is out of range; give 1 or more"),
     ("cluster_allreduce.py", ["--mb", "0"], "argument --mb: 0.0 is not a finite number above zero"),
     ("hierarchical.py", ["--rate", "fast"], "link rate 'fast': give bits per second in tc's units"),
