@@ -9,7 +9,7 @@ MPIStrategyBase`:
 - ranks and nodes: :class:`~mpistrategy.strategy.environment.MPIEnvironment` (from MPI, also under srun);
 - gradients and model averaging: :class:`~mpistrategy.strategy.engine.DataParallelEngine`, the Trainer-independent
   core: gradient buckets (:class:`~mpistrategy.strategy.reducer.GradientReducer`) whose non-blocking combination
-  starts during backward and is finished in ``post_backward`` before clipping and the optimizer step (no sync
+  starts during backward and is finished as it returns, before ``on_after_backward`` (as under DDP; no sync
   inside ``block_backward_sync``, i.e. on the intermediate micro-batches of gradient accumulation), a pluggable
   :class:`~mpistrategy.aggregation.Aggregator` (default: :class:`~mpistrategy.aggregation.MeanAggregator`), and a
   step-level :class:`~mpistrategy.sync.SyncMode` (``sync=``: ``flat`` by default, ``hierarchical``,
@@ -221,9 +221,18 @@ class MPIADStrategyMixin(MPIStrategyBase):
         if self._engine is not None:
             self._engine.pre_backward(self._sync_gradients, closure_loss)
 
-    def post_backward(self, closure_loss: Tensor) -> None:
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward, with the gradient sync finished as the backward pass returns, as under DDP: every
+        ``on_after_backward`` (also after ``manual_backward``) reads and edits the averaged gradients."""
+        self.pre_backward(closure_loss)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         if self._engine is not None:
             self._engine.post_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)  # type: ignore[attr-defined]
+        return closure_loss
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._engine is not None:
@@ -400,7 +409,8 @@ class MPIADStrategyMixin(MPIStrategyBase):
             return dataloader
         if "dataloader_iter" in inspect.signature(module.training_step).parameters:
             return dataloader  # the step pulls its batches itself: no place before each fetch
-        hooks = (self._before_training_pass, self._training_pass_ended)
+        restoring = lambda: self._random_state_to_restore is not None  # noqa: E731
+        hooks = (self._before_training_pass, self._training_pass_ended, restoring)
         resumable = make_resumable(dataloader, self._before_training_batch, *hooks)
         return CountedLoader(unwrapped(dataloader), *hooks) if resumable is None else resumable
 
@@ -567,8 +577,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
     # -------------------------------------------------------------------------------------- teardown
 
     def teardown(self) -> None:
-        self._random_state_to_restore = None
-        self._engine_state = None
+        self._random_state_to_restore = self._engine_state = None
         if self._unroute is not None:
             self._unroute()
             self._unroute = None

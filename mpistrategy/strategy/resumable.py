@@ -6,12 +6,14 @@ batches of ``b`` samples the rest of the epoch is that order without its first `
 the run did. :class:`ResumableLoader` counts the batches it hands out, reports ``(epoch, k)`` through the
 ``state_dict`` / ``load_state_dict`` interface Lightning saves in the checkpoint's loop state (so Lightning treats
 the loader as resumable), and after a resume starts the interrupted epoch at index ``k * b`` of that order, without
-reading the skipped samples. It calls a hook when a pass starts to be read, before the DataLoader makes its
-iterator (which draws its base seed from torch's generator), and a hook before each batch is fetched: the strategy
-restores a checkpoint's random state in the first where the checkpoint was saved at the end of an epoch (before
-the next epoch's iterator drew from it, so those draws are made again from it, as in the uninterrupted run), in
-the second where it was saved within an epoch (after its iterator drew), and checks for a coordinated stop there,
-so that all of it happens before the batch's data is read.
+reading the skipped samples. The DataLoader makes its iterator (which draws its base seed from torch's generator)
+when the training loop asks for the pass, as without the wrapper, so the random draws around it (in
+``on_train_epoch_start``, in the first epoch's setup) come in the order they come under DDP. While a checkpoint's
+random state waits to be restored (``restoring``), the iterator is made at the first fetch instead, after the hook
+that starts a pass: the strategy restores the state there where the checkpoint was saved at the end of an epoch
+(before the next epoch's iterator drew from it, so those draws are made again from it, as in the uninterrupted
+run), and in the hook before each batch is fetched where it was saved within an epoch (after its iterator drew);
+it checks for a coordinated stop there too, so that all of it happens before the batch's data is read.
 
 Exact for a map-style dataset read through Lightning's ``DistributedSampler`` on the same number of ranks. On a
 different number of ranks the order of the epoch is another one: the rest of the interrupted epoch cannot be
@@ -71,6 +73,7 @@ class _LoaderView:
     wrapper's own start with ``_``."""
 
     loader: Any
+    _restoring: Callable[[], bool] | None
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
@@ -105,27 +108,41 @@ class _LoaderView:
     def _training_pass(self) -> Iterator[Any]:
         raise NotImplementedError
 
+    def _iterator_now(self) -> Iterator[Any] | None:
+        """The loader's iterator, made now unless a random state waits to be restored (then ``None``: made at the
+        first fetch, after the hook that starts the pass)."""
+        return None if self._restoring is not None and self._restoring() else iter(cast(Iterable[Any], self.loader))
+
 
 class CountedLoader(_LoaderView):
     """A training loader whose order cannot be resumed: its batches unchanged, and where each pass starts and ends.
 
     Args:
         loader: any iterable of batches.
-        before_pass: called at the first fetch of a pass, before the loader's iterator is made.
+        before_pass: called at the first fetch of a pass.
         pass_ended: called with the number of batches of a pass once its data ended.
+        restoring: whether a random state waits to be restored (see the module docstring).
     """
 
     def __init__(
-        self, loader: object, before_pass: Callable[[], None], pass_ended: Callable[[int], None] | None = None
+        self,
+        loader: object,
+        before_pass: Callable[[], None],
+        pass_ended: Callable[[int], None] | None = None,
+        restoring: Callable[[], bool] | None = None,
     ) -> None:
         self.loader = loader
         self._before_pass = before_pass
         self._pass_ended = pass_ended
+        self._restoring = restoring
 
     def _training_pass(self) -> Iterator[Any]:
+        return self._batches_of(self._iterator_now())
+
+    def _batches_of(self, iterator: Iterator[Any] | None) -> Iterator[Any]:
         self._before_pass()
         batches = 0
-        for batch in cast(Iterable[Any], self.loader):
+        for batch in iterator if iterator is not None else cast(Iterable[Any], self.loader):
             batches += 1
             yield batch
         if self._pass_ended is not None:
@@ -139,8 +156,9 @@ class ResumableLoader(_LoaderView):
         loader: a DataLoader over a map-style dataset whose batch sampler is a ``BatchSampler`` over a
             ``DistributedSampler`` (see :func:`make_resumable`).
         before_batch: called before each batch is fetched.
-        before_pass: called at the first fetch of a pass, before the loader's iterator is made.
+        before_pass: called at the first fetch of a pass.
         pass_ended: called with the number of batches a pass fetched once its data ended.
+        restoring: whether a random state waits to be restored (see the module docstring).
     """
 
     def __init__(
@@ -149,8 +167,10 @@ class ResumableLoader(_LoaderView):
         before_batch: Callable[[], None],
         before_pass: Callable[[], None] | None = None,
         pass_ended: Callable[[int], None] | None = None,
+        restoring: Callable[[], bool] | None = None,
     ) -> None:
         self.loader = loader
+        self._restoring = restoring
         batch_sampler = loader.batch_sampler
         assert isinstance(batch_sampler, BatchSampler)
         if not isinstance(batch_sampler.sampler, _SkippingSampler):
@@ -164,17 +184,18 @@ class ResumableLoader(_LoaderView):
         self._resume_at: dict[str, int] | None = None
 
     def _training_pass(self) -> Iterator[Any]:
-        self._batches = self._skip_for_resume()
-        return self._batches_of(self._batches)
+        self._batches = skipped = self._skip_for_resume()
+        self._order.skip = skipped * self._batch_size
+        return self._batches_of(skipped, self._iterator_now())
 
-    def _batches_of(self, skipped: int) -> Iterator[Any]:
-        """The pass's batches, the first ``skipped`` left out. The DataLoader's iterator is made at the first fetch
-        (a pass Lightning makes but never reads, such as that of an epoch restarted at its end, draws nothing from
-        the random generators)."""
+    def _batches_of(self, skipped: int, iterator: Iterator[Any] | None) -> Iterator[Any]:
+        """The pass's batches, the first ``skipped`` left out, from ``iterator`` (``None``: made at the first fetch;
+        a pass Lightning makes but never reads, such as that of an epoch restarted at its end, then draws nothing
+        from the random generators)."""
         if self._before_pass is not None:
             self._before_pass()
-        self._order.skip = skipped * self._batch_size
-        iterator = iter(self.loader)
+        if iterator is None:
+            iterator = iter(self.loader)
         while True:
             self._before_batch()
             try:
@@ -238,6 +259,7 @@ def make_resumable(
     before_batch: Callable[[], None],
     before_pass: Callable[[], None] | None = None,
     pass_ended: Callable[[int], None] | None = None,
+    restoring: Callable[[], bool] | None = None,
 ) -> ResumableLoader | None:
     """``loader`` as a :class:`ResumableLoader`, or ``None`` when its order is not a pure function of the epoch
     (not a DataLoader, an iterable dataset, a batch sampler other than ``BatchSampler``, a sampler other than
@@ -252,7 +274,7 @@ def make_resumable(
     inner = sampler.sampler if isinstance(sampler, _SkippingSampler) else sampler
     if type(inner) is not DistributedSampler:
         return None
-    return ResumableLoader(loader, before_batch, before_pass, pass_ended)
+    return ResumableLoader(loader, before_batch, before_pass, pass_ended, restoring)
 
 
 def unwrapped(loader: object) -> object:

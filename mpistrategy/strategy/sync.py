@@ -30,11 +30,17 @@ from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
 from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer, unwrapped
 
 _CONSOLIDATION = "consolidated_optimizer_state"  # the call's name in its checks and errors
-_OP_NAMES = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
+_OP_NAMES = {
+    **{name: name for name in ("sum", "avg", "max", "min", "band", "bor", "bxor")},
+    **{"mean": "avg", "product": "prod", "prod": "prod"},
+}
+#: a bool tensor's reductions as DDP's (gloo's): a sum, mean or maximum is the logical or, a product or minimum the and
+_BOOL_OPS = {"sum": "lor", "avg": "lor", "max": "lor", "prod": "land", "min": "land"}
 
 
 def reduce_op_name(reduce_op: Any) -> str:
-    """``"avg"``, ``"sum"``, ``"max"`` or ``"min"`` for Lightning's ``reduce_op`` (a string or a ``ReduceOp``)."""
+    """The allreduce op (``"avg"``, ``"sum"``, ``"prod"``, ...) for Lightning's ``reduce_op``: a string (``"mean"``,
+    ``"avg"``, ``"sum"``, ``"product"``, ``"max"``, ``"min"``, ``"band"``, ``"bor"``, ``"bxor"``) or a ``ReduceOp``."""
     if reduce_op is None:
         return "sum"
     if isinstance(reduce_op, str):
@@ -43,23 +49,24 @@ def reduce_op_name(reduce_op: Any) -> str:
         name = str(getattr(reduce_op, "name", reduce_op)).rsplit(".", 1)[-1].lower()
     if name not in _OP_NAMES:
         raise ValueError(
-            f"reduce: unsupported reduce_op {reduce_op!r}; use 'mean', 'sum', 'max', 'min' or the matching ReduceOp."
+            f"reduce: unsupported reduce_op {reduce_op!r}; use 'mean', 'sum', 'product', 'max', 'min', 'band', 'bor', "
+            "'bxor' or the matching ReduceOp."
         )
     return _OP_NAMES[name]
 
 
 def reduce_tensor(tensor: torch.Tensor, reduce_op: Any, comm: Communicator) -> torch.Tensor:
-    """``tensor`` reduced over all ranks, in place and returned, as Lightning's DDP does (integer means truncated to
-    the dtype). Two cases return a new tensor and leave ``tensor`` as it is: a tensor that requires grad (the result
-    is differentiable: the adjoint of the sum is the sum of the cotangents, of the mean their mean) and the sum of
-    a bool tensor (int64 counts)."""
+    """``tensor`` reduced over all ranks, in place and returned, as Lightning's DDP does: integer means truncated to
+    the dtype, a bool tensor's sum, mean and maximum its logical or, its product and minimum its and. A tensor that
+    requires grad keeps its value and gets a new, differentiable result (the adjoint of the sum is the sum of the
+    cotangents, of the mean their mean)."""
     op = reduce_op_name(reduce_op)
     if comm.size == 1:
         return tensor
-    if op == "avg" and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+    if tensor.dtype == torch.bool:
+        result = allreduce(tensor.contiguous(), _BOOL_OPS.get(op, op), comm)
+    elif op == "avg" and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         result = (allreduce(tensor, "sum", comm) / comm.size).to(tensor.dtype)
-    elif tensor.dtype == torch.bool and op in ("sum", "avg"):
-        return allreduce(tensor.to(torch.int64), "sum", comm)
     else:
         result = allreduce(tensor.contiguous(), op, comm)
     if tensor.requires_grad and torch.is_grad_enabled():

@@ -49,8 +49,10 @@ def test_all_reduce_integers_booleans_and_collections() -> None:
     # as DDP: an integer mean is truncated to the integer dtype
     expected_mean = torch.tensor([sum(r + 1 for r in range(SIZE)) // SIZE, sum(7 * r for r in range(SIZE)) // SIZE])
     assert torch.equal(fabric.all_reduce(counts, reduce_op="mean"), expected_mean)
-    flags = torch.tensor([RANK == 0, True])
-    assert torch.equal(fabric.all_reduce(flags, reduce_op="sum"), torch.tensor([1, SIZE]))
+    flags = torch.tensor([RANK == 0, True, False])  # as DDP: a bool sum is the logical or, in place
+    assert fabric.all_reduce(flags, reduce_op="sum") is flags and flags.tolist() == [True, True, False]
+    product = fabric.all_reduce(torch.tensor(RANK + 1.0), reduce_op="product")
+    assert product.item() == torch.arange(1.0, SIZE + 1).prod().item()
     nested = fabric.all_reduce({"a": _value(RANK), "b": [torch.tensor(float(RANK))], "tag": "kept"}, reduce_op="sum")
     torch.testing.assert_close(nested["a"], EVERY_VALUE.sum(0), rtol=0, atol=1e-12)
     assert nested["b"][0].item() == sum(range(SIZE)) and nested["tag"] == "kept"

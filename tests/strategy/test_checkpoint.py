@@ -228,6 +228,57 @@ def _training_pass(wrapper: object) -> Iterator[Any]:
     return (batch for batch, _, _ in CombinedLoader(wrapper))
 
 
+class _Draws(Regressor):
+    """Draws from torch's generator in ``on_train_epoch_start`` and in every training step, and keeps the draws."""
+
+    def __init__(self) -> None:
+        super().__init__(mlp(seed=4), lr=0.1)
+        self.draws: list[tuple[str, float]] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.draws.append(("epoch", torch.rand(1).item()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.draws.append(("step", torch.rand(1).item()))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_random_draws_around_the_training_loader_come_in_lightnings_order(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As without the wrapper (and under DDP): the first epoch's DataLoader iterator, which draws its base seed
+    from torch's generator, is made before ``on_train_epoch_start``, a later epoch's after it; and a second ``fit``
+    of the same Trainer goes on from where the generator is."""
+    for variable in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # left by an earlier seed_everything: fit would reseed
+        monkeypatch.delenv(variable, raising=False)
+    model = _Draws()
+    torch.manual_seed(7)
+    fit = trainer(max_epochs=2)
+    fit.fit(model, loader(regression_data(SIZE * 8), 4, num_workers=workers))
+    fit.fit_loop.max_epochs = 3
+    fit.fit(model, loader(regression_data(SIZE * 8), 4, num_workers=workers))
+
+    generator = torch.Generator().manual_seed(7)
+
+    def base_seed() -> None:
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+
+    def draws(kind: str, count: int = 1) -> list[tuple[str, float]]:
+        return [(kind, torch.rand(1, generator=generator).item()) for _ in range(count)]
+
+    base_seed()  # the first fit: its first epoch's iterator, made while Lightning sets up the data
+    expected = draws("epoch") + draws("step", 2) + draws("epoch")
+    base_seed()  # the second epoch's iterator, made by the epoch loop
+    expected += draws("step", 2)
+    base_seed()  # the second fit: the new loader's iterator while setting up (never read), then the epoch loop's
+    expected += draws("epoch")
+    base_seed()
+    expected += draws("step", 2)
+    assert model.draws == expected
+
+
 def test_resumable_loader_continues_the_epoch_after_the_batches_done() -> None:
     reference = make_resumable(_sharded_loader(2, 1), lambda: None)
     assert reference is not None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from tests.strategy.helpers import (
@@ -65,3 +68,61 @@ def test_clipping_is_active_and_matches() -> None:
     reference = reference_sgd(mlp(seed=2), epoch_order(data), SIZE * PER_RANK_BATCH, 2, lr=0.5, clip=1e-3)
     assert not torch.allclose(flat_parameters(free), flat_parameters(reference))
     torch.testing.assert_close(flat_parameters(clipped), flat_parameters(reference), rtol=1e-12, atol=1e-12)
+
+
+class _ClampsAfterBackward(Regressor):
+    """Clamps every gradient in ``on_after_backward`` (a nonlinear edit: clamping each rank's own gradient and
+    averaging gives another update than clamping the average) and records the first layer's gradient there;
+    ``manual``: manual optimization through ``manual_backward``."""
+
+    def __init__(self, manual: bool) -> None:
+        super().__init__(mlp(seed=3), lr=0.5)
+        self.automatic_optimization = not manual
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return None
+
+    def on_after_backward(self) -> None:
+        self.seen.append(self.net[0].weight.grad.detach().clone())
+        for parameter in self.parameters():
+            parameter.grad.clamp_(-CLAMP, CLAMP)
+
+
+CLAMP = 0.02
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_on_after_backward_reads_and_edits_the_averaged_gradients(manual: bool) -> None:
+    """As under DDP, the gradient sync is finished when backward returns: ``on_after_backward`` sees the average
+    (the same on every rank) and its edit is the one a single process with the whole batch makes."""
+    steps = 3
+    data = regression_data(SIZE * PER_RANK_BATCH * steps)
+    model = _ClampsAfterBackward(manual)
+    trainer(max_steps=steps).fit(model, loader(data, PER_RANK_BATCH))
+
+    net, seen = mlp(seed=3), []
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    x, y = epoch_order(data).tensors
+    whole = SIZE * PER_RANK_BATCH
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(
+            net(x[step * whole : (step + 1) * whole]), y[step * whole : (step + 1) * whole]
+        ).backward()
+        seen.append(net[0].weight.grad.detach().clone())
+        for parameter in net.parameters():
+            parameter.grad.clamp_(-CLAMP, CLAMP)
+        optimizer.step()
+    assert any((g.abs() > CLAMP).any() for g in seen), "the clamp changed nothing"
+    for got, want in zip(model.seen, seen, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(net), rtol=1e-12, atol=1e-12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import time
 from typing import Any
@@ -227,6 +229,17 @@ def test_reduce_broadcast_barrier() -> None:
     assert strategy.reduce(fresh(), reduce_op=ReduceOp.SUM).tolist() == [SIZE * (SIZE - 1) / 2, SIZE]
     assert strategy.reduce(fresh(), reduce_op=ReduceOp.MAX).tolist() == [SIZE - 1, 1.0]
     assert strategy.reduce(torch.tensor(RANK * 2), reduce_op="mean").item() == (SIZE - 1)  # integer mean
+    ranks_plus_one = [float(r + 1) for r in range(SIZE)]
+    product = torch.tensor(ranks_plus_one).prod().item()
+    assert strategy.reduce(torch.tensor(RANK + 1.0), reduce_op="product").item() == product
+    assert strategy.reduce(torch.tensor(RANK + 1.0), reduce_op=ReduceOp.PRODUCT).item() == product
+    assert strategy.reduce(torch.tensor(RANK + 1), reduce_op=ReduceOp.BOR).item() == functools.reduce(
+        operator.or_, range(1, SIZE + 1)
+    )
+    flags = torch.tensor([RANK == 0, True, False])  # as DDP: a bool sum is the logical or, a minimum the and
+    assert strategy.reduce(flags, reduce_op="sum") is flags and flags.tolist() == [True, True, False]
+    flags = torch.tensor([RANK == 0, True, False])
+    assert strategy.reduce(flags, reduce_op="min").tolist() == [False, True, False]
     assert strategy.reduce("not a tensor") == "not a tensor"
     obj = {"from": RANK, "tensor": torch.arange(3) * RANK, "nested": [RANK, {"x": "y"}]}
     got = strategy.broadcast(obj, src=SIZE - 1)
