@@ -84,11 +84,14 @@ def quick_defaults(parser, args, **values) -> None:
     command line, which win."""
     if not getattr(args, "quick", False):
         return
-    given = set()
-    for action in parser._actions:
-        for option in action.option_strings:
-            if any(token == option or token.startswith(f"{option}=") for token in sys.argv[1:]):
-                given.add(action.dest)
+    defaults = {action: action.default for action in parser._actions}
+    try:
+        for action in defaults:  # parsed again without defaults, argparse itself names what the command line gave
+            action.default = argparse.SUPPRESS
+        given = vars(parser.parse_args())
+    finally:
+        for action, default in defaults.items():
+            action.default = default
     for name, value in values.items():
         if name not in given:
             setattr(args, name, value)

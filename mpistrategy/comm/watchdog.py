@@ -157,16 +157,27 @@ class Watchdog:
         """Receive every message still on its way here: each rank's ``_ENDED`` is the last it sends to each other
         rank before the barrier, and messages from one rank arrive in order, so once every peer's has arrived
         nothing more is coming (bounded wait: a peer whose message never comes is left to ``MPI_Finalize``)."""
+        peers = set(range(self.size)) - {self.rank} - self._heard_ended
+        self._receive_until_heard(peers, _ENDED, _DRAIN_SECONDS, MPI.ANY_TAG)
+
+    def _receive_until_heard(self, waiting: set[int], tag: int, seconds: float, probed: int) -> None:
+        """Receive the messages with tag ``probed`` (``tag``, or ``MPI.ANY_TAG``) until one with ``tag`` has come from
+        every rank in ``waiting``, for at most ``seconds``."""
+        deadline = time.monotonic() + seconds
         status = MPI.Status()
-        deadline = time.monotonic() + _DRAIN_SECONDS
-        while len(self._heard_ended) < self.size - 1 and time.monotonic() < deadline:
-            if not self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                time.sleep(0.001)
-                continue
-            message = bytearray(status.Get_count(MPI.BYTE))
-            self.comm.Recv([message, MPI.BYTE], status.Get_source(), status.Get_tag())
-            if status.Get_tag() == _ENDED:
-                self._heard_ended.add(status.Get_source())
+        while waiting and time.monotonic() < deadline:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, probed, status):
+                self._receive(status)
+                if status.Get_tag() == tag:
+                    waiting.discard(status.Get_source())
+            else:
+                time.sleep(0.01)
+
+    def _receive(self, status: MPI.Status) -> bytearray:
+        """The message ``status`` describes (from a probe), received."""
+        message = bytearray(status.Get_count(MPI.BYTE))
+        self.comm.Recv([message, MPI.BYTE], status.Get_source(), status.Get_tag())
+        return message
 
     def _interval(self) -> float:
         timeout = stall_timeout()
@@ -397,9 +408,7 @@ class Watchdog:
         arrived = []
         status = MPI.Status()
         while self.comm.Iprobe(MPI.ANY_SOURCE, tag, status):
-            message = bytearray(status.Get_count(MPI.BYTE))
-            self.comm.Recv([message, MPI.BYTE], status.Get_source(), tag)
-            arrived.append((status.Get_source(), pickle.loads(message)))
+            arrived.append((status.Get_source(), pickle.loads(self._receive(status))))
         return arrived
 
     def _send(self, message: bytes, ranks: Iterable[int], tag: int) -> None:
@@ -478,15 +487,7 @@ class Watchdog:
         ``_ANSWER_SECONDS``) until each of them says the same: the first rank to exit makes the launcher end the
         others, so none may exit before every report is out, however loaded the node."""
         self._send(b"", states, _WRITTEN)
-        waiting = set(states) - {self.rank}
-        deadline = time.monotonic() + _ANSWER_SECONDS
-        status = MPI.Status()
-        while waiting and time.monotonic() < deadline:
-            if self.comm.Iprobe(MPI.ANY_SOURCE, _WRITTEN, status):
-                self.comm.Recv([bytearray(0), MPI.BYTE], status.Get_source(), _WRITTEN)
-                waiting.discard(status.Get_source())
-            else:
-                time.sleep(0.01)
+        self._receive_until_heard(set(states) - {self.rank}, _WRITTEN, _ANSWER_SECONDS, _WRITTEN)
 
 
 def _keep_recent(per_pass: dict[tuple[int, int], Any]) -> None:
