@@ -4,8 +4,9 @@ without synchronisation, on a transformer encoder; one MPI job per rank count, a
     python benchmarks/gpu.py                        # on CUDA: 2 ranks, then 1 rank; writes results/gpu.json, .png
     python benchmarks/gpu.py --ranks 2 --precision 32-true --layers 4
     python benchmarks/gpu.py --aggregation powersgd # mpi_ad with a compressor; writes results/gpu_powersgd.json
-    python benchmarks/gpu.py --device cpu --quick --layers 1 --d-model 32 --heads 2 --seq 8 --batch 4 \\
-        --results /tmp/gpu-smoke                    # the same code on the CPU: checks the benchmark, not the GPU
+    python benchmarks/gpu.py --device cpu --quick --results /tmp/gpu-smoke
+                                                    # the same code on the CPU (a 14,058-parameter encoder unless
+                                                    # the shape is given): checks the benchmark, not the GPU
     benchmarks/gpu_run.sh                           # on a GPU machine: install, this benchmark, tests/gpu
 
 Ranks take ``cuda:<rank on the machine mod visible GPUs>``: with fewer GPUs than ranks they share one. The model
@@ -65,6 +66,7 @@ from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _launch import (  # noqa: E402
+    CPU_SMOKE_ENCODER,
     RESULTS,
     add_encoder_arguments,
     encoder_record,
@@ -130,7 +132,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=15, help="steps per round and contender")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds kept (after one warm-up round)")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 6 steps, 2 dropped")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 rounds of 6 steps, 2 dropped; with --device cpu a 1-layer encoder"
+    )
     parser.add_argument(
         "--aggregation", choices=SCHEMES, default="mean", help="how mpi_ad combines gradients (default: the mean)"
     )
@@ -141,7 +145,7 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--part", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    quick_defaults(parser, args, steps=6, warmup=2, rounds=2)
+    quick_defaults(parser, args, steps=6, warmup=2, rounds=2, **(CPU_SMOKE_ENCODER if args.device == "cpu" else {}))
     problems = _problems(args)
     if problems:
         parser.error("; ".join(problems))

@@ -3,8 +3,9 @@ where MPI cannot read device memory) in a plain training loop on the GPU benchma
 
     python benchmarks/gpu_staging.py                   # CUDA, 2 ranks; writes results/gpu_staging.json
     python benchmarks/gpu_staging.py --caps 25 100 --shared-memory auto off
-    python benchmarks/gpu_staging.py --device cpu --quick --layers 1 --d-model 32 --heads 2 --seq 8 --batch 4 \\
-        --results /tmp/staging-smoke                   # the same code on the CPU (no mirrors: a check of the script)
+    python benchmarks/gpu_staging.py --device cpu --quick --results /tmp/staging-smoke
+                                                       # the same code on the CPU, a 14,058-parameter encoder unless
+                                                       # the shape is given (no mirrors: a check of the script)
 
 For every configuration (a bucket cap in MB and a shared-memory mode, ``auto`` or ``off``), a fresh reducer over
 the model; per step, after ``--warmup`` steps, medians over ``--steps`` (ms):
@@ -34,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _launch import (  # noqa: E402
+    CPU_SMOKE_ENCODER,
     RESULTS,
     add_encoder_arguments,
     encoder_record,
@@ -69,12 +71,14 @@ def _arguments() -> argparse.Namespace:
     add_encoder_arguments(parser)
     parser.add_argument("--steps", type=int, default=10, help="steps measured per configuration")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped first")
-    parser.add_argument("--quick", action="store_true", help="3 steps after 1 dropped")
+    parser.add_argument(
+        "--quick", action="store_true", help="3 steps after 1 dropped; with --device cpu a 1-layer encoder"
+    )
     parser.add_argument(
         "--results", type=writable_directory, help="where to write gpu_staging.json (on CUDA by default results/)"
     )
     args = parser.parse_args()
-    quick_defaults(parser, args, steps=3, warmup=1)
+    quick_defaults(parser, args, steps=3, warmup=1, **(CPU_SMOKE_ENCODER if args.device == "cpu" else {}))
     if args.device == "cpu" and args.results is None:
         parser.error("--device cpu: give --results DIR (benchmarks/results holds GPU figures only)")
     if min(args.steps, args.ranks, *args.caps) <= 0 or args.warmup < 0:

@@ -122,10 +122,10 @@ def test_strategy_benchmark_times_every_contender(tmp_path: Path) -> None:
 
 
 def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios(tmp_path: Path) -> None:
-    """The GPU benchmark's code with the CPU standing in for the GPU, on a 14,058-parameter encoder; a CPU run
-    without a results directory is refused (it must never replace GPU figures)."""
-    tiny = ("--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "8", "--batch", "4")
-    output = run_benchmark("gpu.py", tmp_path, *tiny)
+    """The GPU benchmark's code with the CPU standing in for the GPU, on the 14,058-parameter encoder that
+    ``--quick --device cpu`` takes; a CPU run without a results directory is refused (it must never replace GPU
+    figures)."""
+    output = run_benchmark("gpu.py", tmp_path, "--device", "cpu")
     payload = json.loads((tmp_path / "gpu.json").read_text())
     assert payload["device"] == "cpu" and payload["model"]["parameters"] == 14_058 and set(payload["runs"]) == {"2"}
     run = payload["runs"]["2"]
@@ -159,13 +159,14 @@ def test_gpu_benchmark_on_the_cpu_times_every_contender_and_writes_finite_ratios
 
 def test_gpu_benchmark_with_a_compressor_writes_its_own_results_and_sets_no_verdict(tmp_path: Path) -> None:
     """``--aggregation powersgd``: mpi_ad trains with PowerSGD (the other contenders as they are); the results go
-    to ``gpu_powersgd.json``, and the targets, set for the mean, give no verdict."""
-    tiny = ("--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "8", "--batch", "4")
-    output = run_benchmark("gpu.py", tmp_path, *tiny, "--aggregation", "powersgd")
+    to ``gpu_powersgd.json``, and the targets, set for the mean, give no verdict. A shape option given with
+    ``--quick`` wins over the small encoder's."""
+    output = run_benchmark("gpu.py", tmp_path, "--device", "cpu", "--d-model", "16", "--aggregation", "powersgd")
     assert not (tmp_path / "gpu.json").exists()
     payload = json.loads((tmp_path / "gpu_powersgd.json").read_text())
     run = payload["runs"]["2"]
     assert payload["aggregation"] == run["aggregation"] == "powersgd"
+    assert (payload["model"]["d_model"], payload["model"]["layers"], payload["model"]["seq"]) == (16, 1, 8)
     assert all(math.isfinite(value) and value > 0 for value in run["median_ms_per_step"].values())
     assert "mpi_ad aggregation powersgd" in output and "(target <= 0.75 is set for the mean)" in output
     assert "target <= 0.75: " not in output
@@ -175,8 +176,7 @@ def test_gpu_benchmark_with_a_compressor_writes_its_own_results_and_sets_no_verd
 def test_gpu_staging_benchmark_on_the_cpu_times_every_part_of_every_configuration(tmp_path: Path) -> None:
     """The staging breakdown's code with the CPU standing in for the GPU (no mirrors there: the parts are zero and
     nothing is hidden), two bucket caps, shared memory on and off."""
-    tiny = ("--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "8", "--batch", "4")
-    output = run_benchmark("gpu_staging.py", tmp_path, *tiny, "--caps", "25", "0.01")
+    output = run_benchmark("gpu_staging.py", tmp_path, "--device", "cpu", "--caps", "25", "0.01")
     payload = json.loads((tmp_path / "gpu_staging.json").read_text())
     assert payload["ranks"] == 2 and payload["model"]["parameters"] == 14_058 and payload["steps"] == 3
     configurations = payload["configurations"]
