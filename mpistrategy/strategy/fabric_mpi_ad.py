@@ -58,8 +58,7 @@ except ImportError:  # the core install has no Lightning
 from torch import Tensor, nn
 
 from mpistrategy.comm import watchdog
-from mpistrategy.comm.topology import Topology
-from mpistrategy.strategy import checkpoints, failures
+from mpistrategy.strategy import checkpoints, fabric_release, failures
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
@@ -105,11 +104,14 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         # copies taken before any setup, for the engines of the models after the first
         self._sync_template = copy.deepcopy(self.sync)
         self._aggregator_template = copy.deepcopy(self.aggregator)
-        self._engines: list[tuple[nn.Module, DataParallelEngine]] = []
+        # what teardown frees, or fabric_release once this strategy is gone: Fabric never calls teardown
+        self._held = fabric_release.Held()
+        self._engines = self._held.engines
         # engine states of the last load for models not set up yet: (the model it names, or None for setup order)
         self._pending_states: list[tuple[nn.Module | None, dict[str, Any]]] = []
-        self._routed: list[tuple[torch.optim.Optimizer, type]] = []  # optimizers given a routed class, their own
-        self._own_channels: list[Topology] = []  # the gradient channels made for the second and later models
+        self._routed = self._held.routed  # optimizers given a routed class, their own
+        self._own_channels = self._held.own_channels  # the gradient channels made for the second and later models
+        self._registered = False
         self._torn_down: list[ShardedTraining | None] = []  # by model, kept after teardown: a save still needs them
 
     @property
@@ -145,6 +147,10 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         return optimizer
 
     def _setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        if self.world_size > 1 and not self._registered:  # the first model: free what dropped strategies held
+            fabric_release.release_dropped(self.topology.control)
+            fabric_release.register(self, self._held, self.topology.control)
+            self._registered = True
         self.broadcast_module_state(module)
         if self.world_size == 1 or not self.data_parallel:
             return
@@ -214,6 +220,10 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
             engine.post_backward()
             if synchronised and engine.sync.replicas == "world":
                 self.share_buffers(owner)
+
+    def _install_stop_signals(self) -> None:
+        super()._install_stop_signals()
+        self._held.stop = self._stop
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The optimizer step, the sync mode's parameter work for the model it stepped, then the coordinated stop
@@ -419,16 +429,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
 
     def teardown(self) -> None:
         self._torn_down = self._shardings()
-        for _, engine in self._engines:
-            engine.teardown()
-        self._engines = []
-        for topology in self._own_channels:
-            topology.free_gradient_channels()
-        self._own_channels = []
-        for optimizer, original in self._routed:
-            optimizer.__class__ = original
-        self._routed = []
-        self._release_stop_signals()
+        self._held.release()
         super().teardown()
 
     def __repr__(self) -> str:

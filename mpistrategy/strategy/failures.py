@@ -291,11 +291,13 @@ class StopSignals:
                 self._previous[signum] = signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
-        """Give the signals back to their previous handlers."""
+        """Give the signals still handled here back to their previous handlers (a signal that another handler
+        took over since, a later strategy's, stays with it)."""
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous = {}
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:

@@ -4,11 +4,17 @@ statistics after synchronised steps; sparse embeddings refused at setup."""
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
+
 import pytest
 import torch
 from torch import nn
 
-from mpistrategy.strategy import MPIADFabricStrategy
+from mpistrategy.comm.topology import topology
+from mpistrategy.strategy import MPIADFabricStrategy, fabric_release
+from mpistrategy.strategy.failures import StopRequested
 from mpistrategy.sync import LocalSGD, SyncConfigurationError
 from tests.fabric.helpers import (
     COMM,
@@ -28,6 +34,12 @@ from tests.mpi_resources import free_context_ids
 PER_RANK = 4
 STEPS = 3
 TOLERANCE = dict(rtol=1e-10, atol=1e-10)
+
+
+def _release_dropped_now() -> None:
+    """Free at once what the Fabric objects dropped so far held (collective)."""
+    gc.collect()
+    fabric_release.release_dropped(topology().control)
 
 
 def _same_on_every_rank(tensor: torch.Tensor) -> None:
@@ -141,6 +153,7 @@ def test_two_models_in_one_backward_match_single_process() -> None:
         torch.testing.assert_close(flat_parameters(trained), flat_parameters(reference), **TOLERANCE)
     # the second model's own channels go with the strategy's teardown: set up and torn down again, the same count
     fabric.strategy.teardown()
+    _release_dropped_now()  # what earlier tests' Fabric objects held, which the first setup below would free
     free = free_context_ids()
     again = launched()
     for model in (Generator(), _critic()):
@@ -245,3 +258,76 @@ def test_sparse_embedding_refused_at_setup_and_not_kept(sparse_on: str) -> None:
     model, _ = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     fabric.backward(model(torch.full((1, 3), float(RANK), dtype=torch.float64)).sum())
     torch.testing.assert_close(net.weight.grad, torch.full((1, 3), (SIZE - 1) / 2, dtype=torch.float64))
+
+
+TRIALS = 30
+
+
+def _trial(seed: int) -> tuple[torch.optim.Optimizer, int]:
+    """One trial with a Fabric object of its own and two models, dropped at the end as a program dropping a trial
+    does; checks that its gradients are the average over the ranks. Returns one of its raw optimizers and the free
+    context ids while the trial holds its models."""
+    fabric = launched()
+    nets = [mlp(seed=seed), mlp(seed=seed + 1)]
+    references = [mlp(seed=seed), mlp(seed=seed + 1)]
+    raw = [torch.optim.SGD(net.parameters(), lr=0.1) for net in nets]
+    models = [fabric.setup(net, optimizer)[0] for net, optimizer in zip(nets, raw, strict=True)]
+    x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed * SIZE + RANK))
+    fabric.backward(sum(model(x).pow(2).mean() for model in models))
+    sum(reference(x).pow(2).mean() for reference in references).backward()
+    for model, reference in zip(models, references, strict=True):
+        local = torch.cat([p.grad.flatten() for p in reference.parameters()])
+        average = torch.stack(COMM.allgather(local)).mean(0)
+        torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), average, **TOLERANCE)
+    return raw[0], free_context_ids()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=180)
+def test_fabric_objects_the_program_drops_free_what_they_held() -> None:
+    """Fabric never tears its strategy down. A program that makes a Fabric object per trial and drops it (Optuna, a
+    sweep in one process) gets back what the dropped ones held at a later model setup: over 30 trials of two models
+    each, the communicator context ids in use stay below those of a few trials (kept, they would grow by a trial's
+    count per trial and run out after a few hundred trials), and once every trial is collected all are free again.
+    A released trial's optimizer has its own class back."""
+    _trial(1000)  # what the first Fabric object of a process makes once, and keeps
+    _release_dropped_now()
+    free = free_context_ids()
+    first_optimizer, during_first = _trial(0)
+    per_trial = free - during_first
+    assert per_trial > 0
+    lowest = during_first
+    for trial in range(1, TRIALS):
+        lowest = min(lowest, _trial(10 * trial)[1])
+    assert free - lowest <= (fabric_release.FULL_COLLECTION_FROM + 2) * per_trial, (free, lowest, per_trial)
+    assert type(first_optimizer) is torch.optim.SGD
+    _release_dropped_now()
+    assert free_context_ids() == free
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_a_torn_down_strategy_leaves_a_later_strategys_stop_signals_in_place() -> None:
+    """Two Fabric objects train in turn; the first is torn down while the second trains: SIGUSR1 on rank 0 then
+    still stops every rank together at the second's next optimizer steps (it is not handed back to the handler
+    from before the first, which would end the process)."""
+    first, second = launched(), launched()
+    steppers = []
+    for fabric in (first, second):
+        net = mlp(seed=7)
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        steppers.append((fabric, model, optimizer))
+    x = torch.randn(2, 6, dtype=torch.float64)
+    for fabric, model, optimizer in steppers:
+        fabric.backward(model(x).sum())
+        optimizer.step()
+    first.strategy.teardown()
+    fabric, model, optimizer = steppers[1]
+    if RANK == 0:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    steps = 0
+    with pytest.raises(StopRequested) as stopped:
+        while steps < 3:
+            fabric.backward(model(x).sum())
+            steps += 1
+            optimizer.step()
+    assert stopped.value.signal_name == "SIGUSR1" and steps == 2  # one step after the signal, as always
+    second.strategy.teardown()
