@@ -11,24 +11,36 @@ import sys
 from types import CodeType, FrameType
 
 
-def _package_root(name: str) -> str | None:
-    module = sys.modules.get(name)
-    path = getattr(module, "__file__", None)
-    return None if path is None else os.path.dirname(os.path.abspath(path)) + os.sep
+def _directory_names(file: str, levels: int) -> tuple[str, ...]:
+    """The directory ``levels`` above ``file``, with a trailing separator, as code objects name the files below it:
+    absolute and normalised, and also as imported where that differs (a package found through a ``sys.path`` entry
+    such as ``..`` has file names like ``/home/me/run/../mpistrategy/...``)."""
+    directory = file
+    for _ in range(levels):
+        directory = os.path.dirname(directory)
+    names = [os.path.abspath(directory) + os.sep]
+    if directory and directory + os.sep != names[0]:
+        names.append(directory + os.sep)
+    return tuple(names)
+
+
+def _package_names(name: str) -> tuple[str, ...]:
+    path = getattr(sys.modules.get(name), "__file__", None)
+    return () if path is None else _directory_names(path, 1)
 
 
 def package_root() -> str:
     """The directory of the mpistrategy package, with a trailing separator."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    return _MPISTRATEGY[0]
 
 
-_SKIPPED_ROOTS = tuple(root for root in (package_root(), _package_root("torch")) if root is not None)
+_MPISTRATEGY = _directory_names(__file__, 2)
+_SKIPPED_ROOTS = _MPISTRATEGY + _package_names("torch")
 # Lightning's packages, and those its collectives run through, are skipped by name (imported after mpistrategy).
 _SKIPPED_PARTS = tuple(
     f"{os.sep}{name}{os.sep}"
     for name in ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torchmetrics")
 )
-_MPISTRATEGY = package_root()
 _STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _SITE_PACKAGES = f"{os.sep}site-packages{os.sep}"
 _skipped: dict[CodeType, bool] = {}
@@ -71,7 +83,9 @@ def innermost_inside(frames: dict[int, FrameType]) -> str | None:
     mpistrategy's code: where a thread waits in mpistrategy."""
     for frame in frames.values():
         if inside_package(frame):
-            where = f"{frame.f_code.co_filename.removeprefix(_MPISTRATEGY)}:{frame.f_lineno}"
+            name = frame.f_code.co_filename
+            root = next(root for root in _MPISTRATEGY if name.startswith(root))
+            where = f"{name.removeprefix(root)}:{frame.f_lineno}"
             return f"{frame.f_code.co_name} (mpistrategy/{where})"
     return None
 

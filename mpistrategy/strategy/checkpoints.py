@@ -21,6 +21,7 @@ marked so, so that the strategy does not abort and no rank waits.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -146,6 +147,9 @@ def _verify_and_load(
     path: str, load: Callable[[Any], Checkpoint]
 ) -> tuple[Checkpoint | None, Failure | None, Exception | None]:
     if not checkpoint_files.is_remote(path):
+        if os.path.isdir(checkpoint_files.local_path(path)):  # not a damaged file: what open() raises, as under DDP
+            error = IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            return None, ("error", f"IsADirectoryError: {error}"), error
         problem = checkpoint_files.find_problem(checkpoint_files.local_path(path))
         if problem is not None:
             return None, ("corrupt", problem), None

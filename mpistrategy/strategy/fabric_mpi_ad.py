@@ -197,20 +197,16 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
 
     # ------------------------------------------------------------------------------------------ training
 
-    def _engines_of(self, module: nn.Module | None) -> list[tuple[nn.Module, DataParallelEngine]]:
-        """The engines a backward pass drives: ``module``'s, or every model's when Fabric names none."""
-        if module is None:
-            return self._engines
-        return [(m, engine) for m, engine in self._engines if m is module]
-
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Backward with the gradient buckets armed (unless inside ``no_backward_sync``) and finished: on return,
         ``.grad`` holds the average over the ranks. After a synchronised backward under a mode that keeps one replica
         (``flat``, ``hierarchical``) every rank holds rank 0's buffers, as under DDP: BatchNorm's running statistics
-        would otherwise follow each rank's own batches, and the ranks would evaluate different models."""
-        engines = [
-            (owner, engine, not self._backward_sync_control.skips(owner)) for owner, engine in self._engines_of(module)
-        ]
+        would otherwise follow each rank's own batches, and the ranks would evaluate different models.
+
+        Every set-up model's buckets take part, whichever model ``fabric.backward(loss, model=...)`` names (a hint
+        for plugins): as under DDP, the gradients of every model the loss reaches are averaged, and a model it
+        reaches on no rank costs one small exchange."""
+        engines = [(owner, engine, not self._backward_sync_control.skips(owner)) for owner, engine in self._engines]
         for _, engine, synchronised in engines:
             if engine.sync.uses_loss and tensor.numel() == 1:
                 engine.record_loss(tensor)

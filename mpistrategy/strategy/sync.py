@@ -217,16 +217,18 @@ def _numel(tensors: list[torch.Tensor]) -> int:
 
 def broadcast_tensors(tensors: list[torch.Tensor], comm: MPI.Intracomm, root: int = 0) -> None:
     """Overwrite ``tensors`` (the same list on every rank) with rank ``root``'s values, in place: packed into one
-    flat buffer per dtype and device, one broadcast each."""
+    flat buffer per dtype and device (each tensor's elements in its logical order, so any strides: channels_last,
+    transposed), one broadcast each."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            groups.setdefault((t.dtype, t.device), []).append(t.detach().view(-1))
+            groups.setdefault((t.dtype, t.device), []).append(t.detach())
     with torch.no_grad():
-        for (dtype, device), flats in groups.items():
-            flat = on_wire(torch.cat(flats))
+        for (dtype, device), group in groups.items():
+            flat = on_wire(torch.cat([t.reshape(-1) for t in group]))
             comm.Bcast(mpi_buffer(flat), root=root)
-            torch._foreach_copy_(flats, list(off_wire(flat, dtype, device).split([t.numel() for t in flats])))
+            pieces = off_wire(flat, dtype, device).split([t.numel() for t in group])
+            torch._foreach_copy_(group, [piece.view(t.shape) for piece, t in zip(pieces, group, strict=True)])
 
 
 def check_same_module(module: nn.Module, comm: MPI.Intracomm, reference: int = 0) -> None:

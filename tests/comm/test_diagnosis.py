@@ -231,3 +231,30 @@ def test_in_a_slurm_job_the_flight_records_go_to_a_folder_of_the_job(tmp_path: P
         for extra in ({"SLURM_JOB_ID": "4711"}, {"SLURM_JOB_ID": "4711", "MPISTRATEGY_FLIGHT_DIR": "mine"})
     ]
     assert shown == [os.path.join("mpistrategy_flight", "slurm-4711"), "mine"]
+
+
+def test_a_call_site_is_the_users_line_also_where_the_package_is_imported_through_a_relative_path(
+    tmp_path: Path,
+) -> None:
+    """A script that finds mpistrategy through a relative ``sys.path`` entry (``sys.path.insert(0, "..")``): its
+    code objects' file names are not normalised (``.../run/../mpistrategy/...``), and the call log still names the
+    script's line, not the package's."""
+    repository = Path(__file__).resolve().parents[2]
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.relpath(repository, tmp_path)!r})\n"
+        "import torch\n"
+        "import mpistrategy\n"
+        "from mpistrategy import allreduce\n"
+        "from mpistrategy.comm import calls\n"
+        "allreduce(torch.ones(2))\n"
+        "print(mpistrategy.__file__, calls.recent()[-1].site)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported_from, site = done.stdout.split()
+    assert os.path.normpath(imported_from) != imported_from, "the package was not imported through the relative path"
+    assert site == "train.py:7"

@@ -22,6 +22,7 @@ from tests.fabric.helpers import (
     RANK,
     SIZE,
     CountingMean,
+    StridedNet,
     flat_parameters,
     launched,
     mlp,
@@ -78,6 +79,26 @@ def test_matches_single_process_whole_batch(optimizer: str, accumulate: int) -> 
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_parameters_with_strides_take_rank_zeros_values_and_train_like_one_process() -> None:
+    """A ``channels_last`` convolution and a transposed weight, each rank from its own seed: rank 0's values after
+    setup, then AdamW equal to one process on the whole batch; the parameters keep their strides."""
+    data = regression_data(SIZE * PER_RANK * STEPS)
+    fabric = launched()
+    net = StridedNet(seed=20 + RANK)
+    model, opt = fabric.setup(net, OPTIMIZERS["adamw"](net.parameters()))
+    for x, y in rank_batches(fabric, data, PER_RANK):
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    reference = StridedNet(seed=20)
+    ref_opt = OPTIMIZERS["adamw"](reference.parameters())
+    reference_training(reference, data, SIZE * PER_RANK, STEPS, ref_opt)
+    assert net.strided() and reference.strided()
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), **TOLERANCE)
+    _same_on_every_rank(flat_parameters(model))
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
 def test_setup_broadcasts_rank_zero_parameters_and_buffers() -> None:
     fabric = launched()
     model = mlp(seed=10 + RANK, batchnorm=True)
@@ -121,10 +142,12 @@ def _losses(generator: nn.Module, critic: nn.Module, z: torch.Tensor, rank: int)
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=60)
-def test_two_models_in_one_backward_match_single_process() -> None:
+@pytest.mark.parametrize("named", [None, "generator", "critic"])
+def test_two_models_in_one_backward_match_single_process(named: str | None) -> None:
     """Two models set up separately (one with ``setup``, one with ``setup_module`` then ``setup_optimizers``), one
     backward pass through both, a parameter used on rank 0 only: each model's gradients are the average over the
-    ranks (zero from the ranks that did not use it), on its own channels."""
+    ranks (zero from the ranks that did not use it), on its own channels; also when ``fabric.backward`` names one
+    of the models (as under DDP, the other model's gradients are averaged too)."""
     fabric = launched()
     generator, critic = Generator(), _critic()
     g_opt = torch.optim.SGD(generator.parameters(), lr=0.1, momentum=0.9)
@@ -135,7 +158,8 @@ def test_two_models_in_one_backward_match_single_process() -> None:
     assert len(fabric.strategy.engines) == 2
     inputs = torch.randn(STEPS, SIZE, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for step in range(STEPS):
-        fabric.backward(_losses(generator, critic, inputs[step, RANK], RANK))
+        model = {"generator": generator, "critic": critic}.get(named or "")
+        fabric.backward(_losses(generator, critic, inputs[step, RANK], RANK), model=model)
         g_opt.step()
         c_opt.step()
         g_opt.zero_grad()

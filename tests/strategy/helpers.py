@@ -66,6 +66,24 @@ def mlp(features: int = 6, hidden: int = 8, outputs: int = 2, seed: int = 0, bat
     return nn.Sequential(*layers).double()
 
 
+class StridedNet(nn.Module):
+    """Parameters that are not contiguous: a convolution's weight in ``channels_last`` and a transposed linear
+    weight; 6 features in, 2 outputs (float64), as :func:`mlp`."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = nn.Conv2d(2, 3, kernel_size=(1, 2)).double().to(memory_format=torch.channels_last)
+        self.weight = nn.Parameter(torch.randn(2, 6, dtype=torch.float64).t())  # shape (6, 2), strides (1, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x.view(-1, 2, 1, 3))).flatten(1) @ self.weight
+
+    def strided(self) -> bool:
+        """Whether both weights still have their strides."""
+        return not self.conv.weight.is_contiguous() and not self.weight.is_contiguous()
+
+
 class Regressor(L.LightningModule):
     """MSE regression with plain SGD (momentum optional)."""
 

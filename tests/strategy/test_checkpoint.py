@@ -556,6 +556,16 @@ def test_a_checkpoint_no_rank_sees_raises_file_not_found_on_every_rank() -> None
     assert str(refused.value) == f"Checkpoint file not found: {path} (none of the {SIZE} ranks sees it)"
 
 
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
+def test_a_checkpoint_path_that_is_a_directory_raises_is_a_directory_on_every_rank() -> None:
+    """As under DDP (what ``open`` raises), not as a damaged checkpoint."""
+    path = shared_tmpdir()
+    fit = trainer(strategy=MPIADStrategy(), max_epochs=3)
+    with pytest.raises(IsADirectoryError) as refused:
+        fit.fit(Regressor(mlp(seed=2)), loader(regression_data(SIZE * 12), 4), ckpt_path=path)
+    assert str(refused.value) == f"[Errno 21] Is a directory: {path!r}"
+
+
 def test_an_interrupted_write_leaves_the_previous_file_and_no_temporary(tmp_path) -> None:
     path = str(tmp_path / "last.ckpt")
     checkpoint_files.write_atomically(path, lambda temporary: torch.save({"step": 1}, temporary))

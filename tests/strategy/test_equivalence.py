@@ -10,9 +10,11 @@ from torch import nn
 
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from tests.strategy.helpers import (
+    RANK,
     SIZE,
     CountingMean,
     Regressor,
+    StridedNet,
     epoch_order,
     flat_parameters,
     loader,
@@ -24,6 +26,20 @@ from tests.strategy.helpers import (
 
 PER_RANK_BATCH = 4
 STEPS = 4
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_parameters_with_strides_take_rank_zeros_values_and_train_like_one_process() -> None:
+    """A ``channels_last`` convolution and a transposed weight, each rank from its own seed: the Trainer starts
+    from rank 0's values and trains like one process on the whole batch (SGD with momentum); the parameters keep
+    their strides."""
+    data = regression_data(SIZE * PER_RANK_BATCH * STEPS)
+    net = StridedNet(seed=30 + RANK)
+    model = Regressor(net, lr=0.2, momentum=0.9)
+    trainer(max_steps=STEPS).fit(model, loader(data, PER_RANK_BATCH))
+    reference = reference_sgd(StridedNet(seed=30), epoch_order(data), SIZE * PER_RANK_BATCH, STEPS, 0.2, 0.9)
+    assert net.strided() and reference.strided()
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.mpi(ranks=(2, 3, 4), timeout=120)
