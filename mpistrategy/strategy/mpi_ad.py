@@ -449,9 +449,10 @@ class MPIADStrategyMixin(MPIStrategyBase):
         failures.set_training(True)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each batch: the sync mode's epoch boundaries; then, for a training dataloader that is not
-        resumable (its batch is fetched already), :meth:`_before_training_batch`; the watchdog learns where this
-        rank is in the pass. The evaluation pass recorded last is over."""
+        """Before each batch: rank 0's buffers (:meth:`_share_buffers`), the sync mode's epoch boundaries; then, for
+        a training dataloader that is not resumable (its batch is fetched already), :meth:`_before_training_batch`;
+        the watchdog learns where this rank is in the pass. The evaluation pass recorded last is over."""
+        self._share_buffers()
         passes.leave_evaluation()
         if self._engine is not None and self.lightning_module is not None:
             self._track_epoch(self.lightning_module.trainer)
@@ -540,10 +541,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
         passes.begin_evaluation(self.lightning_module.trainer, stage)
 
     def _share_buffers(self) -> None:
-        """Collective, before an evaluation pass where the ranks hold one replica (``flat``, ``hierarchical``: equal
-        parameters): every rank gets rank 0's buffers. BatchNorm's running statistics follow each rank's own batches
-        in training, so the ranks would otherwise evaluate different models, and a checkpoint would keep rank 0's
-        (DDP broadcasts rank 0's buffers before its forward passes)."""
+        """Collective, before each training batch and evaluation pass where the ranks hold one replica (``flat``,
+        ``hierarchical``): every rank gets rank 0's buffers, as DDP broadcasts them before its forward passes (a
+        training forward pass updates buffers with its rank's batch: BatchNorm's statistics, a running mean)."""
         engine, module = self._engine, self.lightning_module
         if engine is None or module is None or self.world_size == 1 or engine.sync.replicas != "world":
             return

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mpistrategy.strategy.mpi_ad import MPIADStrategy
 from tests.strategy.helpers import (
@@ -39,6 +40,44 @@ def test_parameters_with_strides_take_rank_zeros_values_and_train_like_one_proce
     trainer(max_steps=STEPS).fit(model, loader(data, PER_RANK_BATCH))
     reference = reference_sgd(StridedNet(seed=30), epoch_order(data), SIZE * PER_RANK_BATCH, STEPS, 0.2, 0.9)
     assert net.strided() and reference.strided()
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=1e-12, atol=1e-12)
+
+
+class CheckpointedTwice(nn.Module):
+    """A layer used twice, each time inside an activation checkpoint, between two others (6 features in, 2 out)."""
+
+    def __init__(self, use_reentrant: bool, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.first, self.mid, self.head = nn.Linear(6, 8).double(), nn.Linear(8, 8).double(), nn.Linear(8, 2).double()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.first(x))
+        for _ in range(2):
+            hidden = checkpoint(lambda h: torch.tanh(self.mid(h)), hidden, use_reentrant=self.use_reentrant)
+        return self.head(hidden)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=90)
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_layer_in_two_activation_checkpoints(use_reentrant: bool) -> None:
+    """Non-reentrant checkpoints: training equals one process on the whole batch. Reentrant ones run a backward
+    pass each, so the layer's gradient lands in two parts: every rank raises at the first step, naming the layer's
+    parameters and the fix, with the parameters untouched, and the ranks train on together after it."""
+    data = regression_data(SIZE * PER_RANK_BATCH * STEPS)
+    net = CheckpointedTwice(use_reentrant, seed=40)
+    if use_reentrant:
+        with pytest.raises(
+            RuntimeError, match=r"'net.mid.bias', 'net.mid.weight' got their gradient in more than one part"
+        ):
+            trainer(max_steps=STEPS).fit(Regressor(net, lr=0.2, momentum=0.9), loader(data, PER_RANK_BATCH))
+        net.use_reentrant = False
+    model = Regressor(net, lr=0.2, momentum=0.9)
+    trainer(max_steps=STEPS).fit(model, loader(data, PER_RANK_BATCH))
+    reference = reference_sgd(
+        CheckpointedTwice(False, seed=40), epoch_order(data), SIZE * PER_RANK_BATCH, STEPS, 0.2, 0.9
+    )
     torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=1e-12, atol=1e-12)
 
 

@@ -10,11 +10,23 @@ import lightning.pytorch as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from mpistrategy import CommunicationError
 from mpistrategy.nn import SyncBatchNorm
 from mpistrategy.strategy import MPIADStrategy
-from tests.strategy.helpers import COMM, RANK, SIZE, Regressor, epoch_order, loader, mlp, regression_data, trainer
+from tests.strategy.helpers import (
+    COMM,
+    RANK,
+    SIZE,
+    Regressor,
+    epoch_order,
+    flat_parameters,
+    loader,
+    mlp,
+    regression_data,
+    trainer,
+)
 
 
 def _split(total: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -191,3 +203,53 @@ def test_plain_batchnorm_is_evaluated_with_rank_zeros_running_statistics_on_ever
     for ranks in watch.seen:
         assert all(torch.equal(stats, ranks[0]) for stats in ranks), "ranks evaluate different running statistics"
     assert not torch.equal(watch.seen[0][0], watch.seen[1][0])  # the statistics moved in training
+
+
+class RunningNormaliser(nn.Module):
+    """Subtracts a running mean of its inputs that training forward passes update and read (a buffer)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layer = nn.Linear(6, 2).double()
+        self.register_buffer("mean", torch.zeros(6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.5).add_(0.5 * x.mean(0))
+        return self.layer(x - self.mean)
+
+
+def _trained_with_rank_zeros_buffers(seed: int, data: TensorDataset, per_rank: int, steps: int) -> nn.Module:
+    """One process: at every step each rank's batch passes through the model with the buffers rank 0 had after
+    its previous forward pass (DDP's broadcast before each forward), then SGD on the mean of the ranks' losses."""
+    model = RunningNormaliser(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    x, y = epoch_order(data).tensors
+    for step in range(steps):
+        block = slice(step * SIZE * per_rank, (step + 1) * SIZE * per_rank)
+        shared, after, losses = model.mean.clone(), [], []
+        for rank in range(SIZE):
+            model.mean.copy_(shared)
+            losses.append(nn.functional.mse_loss(model(x[block][rank::SIZE]), y[block][rank::SIZE]))
+            after.append(model.mean.clone())
+        model.mean.copy_(after[0])
+        optimizer.zero_grad()
+        (sum(losses) / SIZE).backward()
+        optimizer.step()
+    return model
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=60)
+def test_a_buffer_the_training_forward_reads_is_rank_zeros_at_every_batch() -> None:
+    """A running normaliser, whose training forward updates and reads a buffer: before every training batch each
+    rank gets rank 0's buffers, as under DDP, so training equals DDP's (one process replaying it, float64)."""
+    per_rank, steps = 4, 5
+    data = regression_data(SIZE * per_rank * steps, seed=6)
+    model = Regressor(RunningNormaliser(seed=8 + RANK), lr=0.2, momentum=0.9)
+    trainer(max_steps=steps).fit(model, loader(data, per_rank))
+    reference = _trained_with_rank_zeros_buffers(8, data, per_rank, steps)
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=1e-12, atol=1e-12)
+    if RANK == 0:
+        torch.testing.assert_close(model.net.mean, reference.mean, rtol=1e-12, atol=1e-12)

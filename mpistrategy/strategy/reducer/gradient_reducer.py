@@ -259,12 +259,17 @@ class GradientReducer:
     def _hook(self, bucket: GradBucket, position: int, slot: int) -> Callable[[torch.Tensor], None]:
         """The hook of one parameter: note its gradient, move it into the bucket if autograd stored it elsewhere,
         and count it towards the bucket's start (everything it needs is bound here, once per layout)."""
-        local, views, index = self._flags.local, bucket.views, bucket.index
-        gradient_ready, post_usage = self._starts.gradient_ready, self._post_usage
+        local, landed, twice = self._flags.local, self._flags.landed, self._flags.twice
+        views, index, starts = bucket.views, bucket.index, self._starts
+        gradient_ready, post_usage = starts.gradient_ready, self._post_usage
 
         def hook(param: torch.Tensor) -> None:
             if not param.requires_grad:  # frozen after the forward pass (toggle_optimizer): autograd kept no gradient
                 return
+            if starts.armed:
+                if landed[slot]:
+                    twice.append(bucket.names[position])
+                landed[slot] = 1
             local[slot] = 1
             grad = param.grad
             if grad is not views[position] and grad is not None:
@@ -296,6 +301,7 @@ class GradientReducer:
             self._active = [sum(requires_grad[slot] for slot in spec.slots) for spec in self.layout.buckets]
         aggregator = self._aggregator = self.sync.gradient_aggregator() if sync else None
         if aggregator is not None:
+            self._flags.begin_synchronised_pass()
             self._usage.begin_pass(aggregator)
         if self._peers is not None:
             combined = self._peers.around(aggregator)
@@ -325,6 +331,7 @@ class GradientReducer:
             self._starts.finish()
         self._flags.drop_stand_ins(self._params, used)
         self._flags.clear()
+        self._flags.raise_if_landed_twice()
 
     def _used_somewhere(self) -> np.ndarray:
         """Which parameters have a gradient on some rank. A rank that started every bucket during backward used

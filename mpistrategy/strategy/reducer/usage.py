@@ -28,12 +28,36 @@ class GradientFlags:
             view: :attr:`local_view`).
         stand_in: 1 where the parameter has no gradient, though its ``.grad`` may read as a zero view of its bucket
             (a stand-in for ``None``, kept so that the flat buckets need no copy per step).
+        landed: 1 where a gradient landed in the current synchronised pass (a ``bytearray`` the hooks set).
+        twice: the names of the parameters whose gradient landed a second time in the current synchronised pass.
     """
 
     def __init__(self, count: int) -> None:
         self.local = bytearray(count)
         self.local_view = np.frombuffer(self.local, dtype=np.uint8)
         self.stand_in = np.zeros(count, dtype=np.uint8)
+        self.landed = bytearray(count)
+        self.twice: list[str] = []
+
+    def begin_synchronised_pass(self) -> None:
+        """No gradient landed in the pass yet."""
+        self.landed[:] = bytes(len(self.landed))
+        self.twice.clear()
+
+    def raise_if_landed_twice(self) -> None:
+        """After a synchronised pass: raise if a parameter's gradient landed in parts (its first part was counted
+        towards its bucket, which may have been combined before the others arrived)."""
+        if not self.twice:
+            return
+        names = ", ".join(repr(name) for name in dict.fromkeys(self.twice))
+        self.twice.clear()
+        raise RuntimeError(
+            f"parameter(s) {names} got their gradient in more than one part in one backward pass, and the first "
+            "part counted towards the gradient bucket, which is combined over the ranks as soon as it is "
+            "complete: the gradients of this step are not the average. A module used in more than one reentrant "
+            "activation checkpoint (torch.utils.checkpoint.checkpoint(..., use_reentrant=True)) does this: each "
+            "checkpoint runs a backward pass of its own. Use use_reentrant=False (DDP refuses this case too)."
+        )
 
     def drop_stand_ins(self, params: Sequence[nn.Parameter], used: np.ndarray) -> None:
         """Set ``.grad`` back to ``None`` where it is a stand-in and ``used`` says that no rank has a gradient."""
