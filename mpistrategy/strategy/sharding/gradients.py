@@ -185,7 +185,8 @@ class GradientShards:
             raise RuntimeError(
                 f"a parameter of gradient bucket {bucket.index} got a second gradient in one backward pass, after the "
                 "bucket was reduce-scattered; under shard='gradients' each parameter may get its gradient once per "
-                "backward pass (call backward once between the strategy's backward hooks)."
+                "backward pass (call backward once between the strategy's backward hooks). A module used in more than "
+                "one reentrant activation checkpoint does this: use torch.utils.checkpoint's use_reentrant=False."
             )
         if bucket.staging is None:
             self._open(bucket)
@@ -196,7 +197,8 @@ class GradientShards:
             raise RuntimeError(
                 f"parameter {position} of gradient bucket {bucket.index} got a gradient that the graph of the loss "
                 "did not lead to; under shard='gradients' every gradient of a backward pass must come from the "
-                "loss the strategy's backward was given."
+                "loss the strategy's backward was given. A reentrant activation checkpoint hides its part of the "
+                "graph: use torch.utils.checkpoint's use_reentrant=False."
             )
         self._local[self._slot[id(param)]] = 1
         bucket.pending -= 1
