@@ -360,8 +360,7 @@ class MPIStrategyBase:
     def _release_stop_signals(self) -> None:
         """Complete the decision in flight and give the signals back."""
         if self._stop is not None:
-            self._stop.finish()
-            self._stop.uninstall()
+            self._stop.release()
 
     def teardown(self) -> None:
         conventions.running.discard(self)

@@ -51,8 +51,7 @@ class Held:
             optimizer.__class__ = original
         self.routed.clear()
         if self.stop is not None:
-            self.stop.finish()
-            self.stop.uninstall()
+            self.stop.release()
 
 
 @dataclass(eq=False)

@@ -326,6 +326,11 @@ class StopSignals:
         self._posted = True
         return 0
 
+    def release(self) -> None:
+        """Complete the decision in flight (:meth:`finish`) and give the signals back (:meth:`uninstall`)."""
+        self.finish()
+        self.uninstall()
+
     def finish(self) -> None:
         """Complete the allreduce in flight (collective: every rank has posted the same number of them)."""
         if self._request is not None:
