@@ -82,11 +82,13 @@ def _world() -> tuple[int, int]:
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
-def format_failure(error: BaseException, tb: TracebackType | None = None) -> str:
-    """The error's traceback, headed by the rank that raised it."""
+def format_failure(
+    error: BaseException, tb: TracebackType | None = None, consequence: str = "aborting all ranks"
+) -> str:
+    """The error's traceback, headed by the rank that raised it and ``consequence``."""
     rank, size = _world()
     lines = traceback.format_exception(type(error), error, tb if tb is not None else error.__traceback__)
-    header = f"[mpistrategy] rank {rank} of {size} (pid {os.getpid()}) raised an exception; aborting all ranks.\n"
+    header = f"[mpistrategy] rank {rank} of {size} (pid {os.getpid()}) raised an exception; {consequence}.\n"
     return header + "".join(lines)
 
 
@@ -128,7 +130,12 @@ def install_excepthook() -> None:
         if not raised_on_every_rank(error) and not watchdog.every_rank_raised(RAISED_TOGETHER_SECONDS):
             abort(error, tb)  # does not return with more than one rank
         record_desync(error)
-        previous(kind, error, tb)
+        if previous is sys.__excepthook__ and _world()[1] > 1:
+            # one write: the launcher forwards each rank's writes as they come, so the default hook's several
+            # writes per line interleave with the other ranks' tracebacks of the same error
+            _write_stderr(format_failure(error, tb, "every rank raised one and exits by itself"))
+        else:
+            previous(kind, error, tb)
 
     sys.excepthook = hook
     _excepthook_installed = True

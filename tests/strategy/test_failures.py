@@ -5,6 +5,7 @@ test runs its own ``mpiexec -n 3`` job (not under the multi-rank harness)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -59,6 +60,21 @@ def test_every_rank_raising_in_step_is_no_abort_and_the_ranks_train_on_together(
     assert "aborting all ranks" not in output
     second = re.findall(r"SECOND rank=(\d) step=3 weight=(-?\d+\.\d{10})", output)  # ranks' lines may interleave
     assert sorted(rank for rank, _ in second) == ["0", "1", "2"] and len({w for _, w in second}) == 1, output[-4000:]
+
+
+def test_every_rank_raising_the_same_error_uncaught_prints_each_traceback_in_one_write() -> None:
+    """The launcher forwards each rank's writes as they come: every rank's traceback, headed by its rank, reaches
+    stderr in one write, so that the ranks' tracebacks of the same error cannot interleave within a line."""
+    directory = tempfile.mkdtemp()
+    code, output, _ = _run("raise_everywhere_uncaught", directory)
+    assert code == 1 and "aborting all ranks" not in output, output[-4000:]
+    for rank in range(RANKS):
+        writes = [json.loads(line) for line in (Path(directory) / f"writes{rank}").read_text().splitlines()]
+        reports = [text for text in writes if "ValueError: every rank at batch 3" in text]
+        assert len(reports) == 1, writes
+        assert reports[0].startswith(f"[mpistrategy] rank {rank} of {RANKS} "), reports[0]
+        assert "Traceback (most recent call last)" in reports[0] and "in training_step" in reports[0], reports[0]
+        assert output.count(reports[0]) == 1, output[-4000:]
 
 
 def test_stop_signals_reaching_a_finished_job_while_it_exits_leave_its_exit_code_zero() -> None:

@@ -7,7 +7,9 @@ os_exit_0 (rank 1 calls os._exit(0)), sigterm_sanity (rank 1 sends itself SIGTER
 sigterm_setup (rank 1 sends itself SIGTERM in the LightningModule's setup hook), sigterm_after_fit (after a short
 fit, rank 1 sends itself SIGTERM: the default action must end it),
 raise_outside (rank 1 raises after fit while the others wait in a barrier), raise_everywhere (every rank raises in
-training_step at the same batch, then fits again in the same process), signal_at_exit (after a short fit, each rank
+training_step at the same batch, then fits again in the same process), raise_everywhere_uncaught (every rank raises
+at the same batch and lets the error end the script; each write to stderr is recorded in DIRECTORY/writes<rank>),
+signal_at_exit (after a short fit, each rank
 sends itself SIGUSR1 and SIGTERM from an exit hook that runs after mpistrategy's), usr1 (rank 1 sends itself SIGUSR1),
 pids (every rank writes its pid to DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue
 from the stop checkpoint), corrupt (resume from DIRECTORY/hpc_ckpt_1.ckpt after rank 0 cut it short).
@@ -16,6 +18,7 @@ from the stop checkpoint), corrupt (resume from DIRECTORY/hpc_ckpt_1.ckpt after 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import sys
@@ -44,7 +47,7 @@ class Job(L.LightningModule):
         self.net = nn.Linear(4, 1)
 
     def training_step(self, batch, batch_idx):
-        if MODE == "raise_everywhere" and batch_idx == TRIGGER_BATCH and self.trainer.max_steps > 10:
+        if MODE.startswith("raise_everywhere") and batch_idx == TRIGGER_BATCH and self.trainer.max_steps > 10:
             mark("FAILING")
             raise ValueError(f"every rank at batch {batch_idx}")
         if RANK == 1 and batch_idx == TRIGGER_BATCH and self.current_epoch == 0:
@@ -94,6 +97,23 @@ if MODE == "signal_at_exit":  # registered before fit: runs after the exit hooks
         print(f"SURVIVED rank={RANK}", flush=True)
 
 
+class RecordedWrites:
+    """Stderr that also appends each write, as one JSON line, to DIRECTORY/writes<rank>."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with open(os.path.join(DIRECTORY, f"writes{RANK}"), "a") as record:
+            record.write(json.dumps(text) + "\n")
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+if MODE == "raise_everywhere_uncaught":
+    sys.stderr = RecordedWrites(sys.stderr)
 if MODE == "corrupt" and RANK == 0:
     checkpoint = os.path.join(DIRECTORY, "hpc_ckpt_1.ckpt")
     os.truncate(checkpoint, os.path.getsize(checkpoint) - 100)
