@@ -69,9 +69,15 @@ def begin_evaluation(trainer: Any, stage: str) -> None:
 
 
 def end_evaluation() -> None:
-    """The evaluation pass has ended; it stays the phase (a rank with fewer batches ends its pass first)."""
-    if isinstance(calls.phase, Evaluation):
-        calls.set_phase(calls.phase._replace(ended=True))
+    """Collective, when the Trainer ends an evaluation pass: the pass stays the phase, ended (a rank with fewer
+    batches ends its pass first), and the ranks check that they all ended it. A collective of the pass that only
+    some ranks made (``self.log(..., sync_dist=True)`` on one rank) meets this check on the others: every rank
+    raises a ``CommunicationError`` naming both calls, instead of the ranks that skipped it going on and leaving
+    the others waiting."""
+    phase = calls.phase
+    if isinstance(phase, Evaluation):
+        calls.set_phase(phase._replace(ended=True))
+        agree(world(), "end of an evaluation pass", (phase.stage,), "pass")
 
 
 def leave_evaluation() -> None:

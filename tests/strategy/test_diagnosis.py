@@ -236,20 +236,20 @@ def test_uneven_validation_logged_per_step_names_each_ranks_batches(tmp_path: Pa
         assert "use_distributed_sampler=True" in error and "on_step=False, on_epoch=True" in error, error
 
 
-def test_uneven_validation_whose_short_rank_trains_on_raises_on_every_rank_with_each_ranks_batches(
+def test_uneven_validation_gathered_per_batch_raises_on_every_rank_with_each_ranks_batches(
     tmp_path: Path,
 ) -> None:
     """The last rank's validation has two batches, the others' three, each all-gathering its loss: the last rank
-    ends its pass and checks the start of the next epoch, which meets the others' third gather in one fingerprint
-    check. Every rank raises, naming each rank's call and pass."""
+    ends its pass and checks the end of the pass, which meets the others' third gather in one fingerprint check
+    (before the last rank could train on). Every rank raises, naming each rank's call and pass."""
     code, output = _run("trainer", "uneven_validation_gather", "flat", 3, tmp_path)
     assert code == 1, output[-4000:]
     at = f"tests/strategy/scripts/{_line_of('validation gather')}"
     calls = [f"rank {rank}: allgather(float32[1], dim=0) at {at}" for rank in (0, 1)]
-    expected = "; ".join([*calls, "rank 2: training epoch start(epoch=1) at "])
+    expected = "; ".join([*calls, "rank 2: end of an evaluation pass(pass=validation) at "])
     passes = "(ranks 0-1: validation, 3 batches; rank 2: validation, 2 batches, ended)"
     # the ranks' tracebacks interleave in the output: each rank's own error is read from its flight record
-    assert_desync_recorded(tmp_path, 3, r"CommunicationError: (allgather|training epoch start): ")
+    assert_desync_recorded(tmp_path, 3, r"CommunicationError: (allgather|end of an evaluation pass): ")
     for record in flight.load(tmp_path).values():
         error = record["reason"]
         assert expected in error and f"The ranks' evaluation data differs {passes}" in error, error
@@ -264,6 +264,23 @@ def test_uneven_validation_logged_per_pass_finishes(tmp_path: Path) -> None:
     )
     assert code == 0 and "evaluation data differs" not in output, output[-4000:]
     assert output.count("FINISHED") == 2
+
+
+def test_validation_logged_on_one_rank_only_raises_on_every_rank_when_the_pass_ends(tmp_path: Path) -> None:
+    """``Trainer.validate`` where only the last rank logs its loss with ``sync_dist=True``: the others end the pass
+    without that sync, and their check at the end of the pass meets the last rank's sync. Every rank raises,
+    naming both calls, instead of the others going on while the last rank waits."""
+    code, output = _run("trainer", "validation_logged_on_one_rank", "flat", 3, tmp_path)
+    assert code == 1 and "VALIDATED" not in output, output[-4000:]
+    at = f"tests/strategy/scripts/{_line_of('validate')}"
+    expected = (
+        f"(rank 0: end of an evaluation pass(pass=validation) at {at}; rank 1: end of an evaluation "
+        f"pass(pass=validation) at {at}; rank 2: allreduce(float32[], op=avg) at {at})"
+    )
+    assert_desync_recorded(tmp_path, 3, r"CommunicationError: (allreduce|end of an evaluation pass): ")
+    for record in flight.load(tmp_path).values():
+        assert expected in record["reason"], record["reason"]
+    assert "aborting all ranks" not in output
 
 
 @pytest.mark.parametrize(("framework", "ranks"), [("trainer", 2), ("fabric", 3)])

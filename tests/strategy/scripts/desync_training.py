@@ -11,9 +11,11 @@ batches and a stream of two that Lightning cycles), "capped_stream" (a stream of
 limit_train_batches=10; rank 0 lingers at its last batch), "save_on_every_rank" (every rank saves at batch 1, the
 last one 1.5 s after the others). Uneven validation data (Trainer): "uneven_validation" (rank 0 has a validation
 batch more; the loss is logged per step with ``sync_dist=True``), "uneven_validation_gather" (the last rank has two
-validation batches, the others three; each batch all-gathers its loss; two epochs: after the first epoch's
-validation the last rank goes on to train while the others wait in their third gather),
-"uneven_validation_per_epoch" (as "uneven_validation", logged per pass only: healthy). Other stopping conditions
+validation batches, the others three; each batch all-gathers its loss; two epochs: the last rank ends its
+first validation pass while the others wait in their third gather),
+"uneven_validation_per_epoch" (as "uneven_validation", logged per pass only: healthy), "validation_logged_on_one_rank"
+(Trainer.validate on even data; only the last rank logs its loss with ``sync_dist=True``, per pass; then every rank
+prints VALIDATED and sleeps 30 s). Other stopping conditions
 on the last rank (Trainer): "more_epochs" (max_epochs 2, the others 1), "more_steps" (max_steps 6, the others 3,
 in the second epoch).
 """
@@ -38,9 +40,11 @@ RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 LATE = SIZE - 1
 SAMPLED = case == "skip_backward_sampled"
 BATCHES = SIZE * 4 if SAMPLED else 4 + (case == "extra_step" and RANK == 0)
-VAL_BATCHES = {"uneven_validation": 3 + (RANK == 0), "uneven_validation_per_epoch": 3 + (RANK == 0)}.get(
-    case, 2 if RANK == LATE else 3
-)
+VAL_BATCHES = {
+    "uneven_validation": 3 + (RANK == 0),
+    "uneven_validation_per_epoch": 3 + (RANK == 0),
+    "validation_logged_on_one_rank": 3,
+}.get(case, 2 if RANK == LATE else 3)
 CHECKPOINT = os.path.join(os.environ.get("MPISTRATEGY_FLIGHT_DIR", "."), "saved.ckpt")
 SYNCS = {
     "flat": FlatSync,
@@ -116,6 +120,9 @@ class Model(L.LightningModule):
         loss = self.layer(batch).square().mean()
         if case == "uneven_validation_gather":
             self.all_gather(loss)  # marker: validation gather
+        elif case == "validation_logged_on_one_rank":
+            if RANK == LATE:
+                self.log("val_loss", loss, sync_dist=True)
         else:
             per_step = case != "uneven_validation_per_epoch"
             self.log("val_loss", loss, sync_dist=True, on_step=per_step, on_epoch=True)
@@ -171,7 +178,12 @@ if framework == "trainer":
     )
     validation = "validation" in case
     validation_data = DataLoader(Batches(), batch_size=None, sampler=range(VAL_BATCHES)) if validation else None
-    trainer.fit(Model(), loader(), validation_data)  # marker: fit
+    if case == "validation_logged_on_one_rank":
+        trainer.validate(Model(), validation_data)  # marker: validate
+        say("VALIDATED")
+        time.sleep(30)
+    else:
+        trainer.fit(Model(), loader(), validation_data)  # marker: fit
 else:
     from lightning.fabric import Fabric
 
