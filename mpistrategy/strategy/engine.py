@@ -34,6 +34,7 @@ from mpistrategy.comm.traffic import TrafficCounter
 from mpistrategy.strategy.failures import raise_together
 from mpistrategy.strategy.reducer import GradientReducer
 from mpistrategy.strategy.sharding.memory import MemoryReport, measure
+from mpistrategy.strategy.sharding.optimizer import unwrapped
 from mpistrategy.strategy.sharding.options import configuration_problem
 from mpistrategy.strategy.sharding.training import ShardedTraining
 from mpistrategy.strategy.step_check import StepCheck
@@ -86,6 +87,8 @@ class DataParallelEngine:
         self.agree_on_overflow = agree_on_overflow
         self.sharding: ShardedTraining | None = None
         self._sync_pass = False
+        self.optimizer_steps = 0  #: optimizer steps whose after-step work is done
+        self._step_hooks: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, its step post-hook's handle)
 
     def setup(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], problem: Exception | None = None
@@ -165,6 +168,25 @@ class DataParallelEngine:
             sharding = self.sharding
             self._agreed(lambda: sharding.check_optimizer(optimizer), "sharding the optimizer")
             sharding.add_optimizer(optimizer)
+        self._hook_steps(unwrapped(optimizer))
+
+    def _hook_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Do the after-step work (:meth:`after_optimizer_step`) after every step of ``optimizer``: also after one
+        made on the torch optimizer itself, past the strategy (``self.optimizers(use_pl_optimizer=False)`` under
+        the Trainer, the optimizer object kept from before ``fabric.setup``)."""
+        register = getattr(optimizer, "register_step_post_hook", None)
+        if register is None or any(optimizer is hooked for hooked, _ in self._step_hooks):
+            return
+        handle = register(lambda stepped, args, kwargs: self.after_optimizer_step(stepped))
+        self._step_hooks.append((optimizer, handle))
+
+    def complete_step(self, optimizer: Any, steps_before: int) -> None:
+        """After the strategy's step of ``optimizer``, begun when :attr:`optimizer_steps` was ``steps_before``: the
+        after-step work, unless the step's hook did it. The optimizer did not step where a ``GradScaler`` skipped a
+        step of non-finite gradients: the ranks count the step all the same (a sync mode's period, the allgather of
+        the shards)."""
+        if self.optimizer_steps == steps_before:
+            self.after_optimizer_step(optimizer)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *aliases: Any) -> None:
         """Make ``optimizer.zero_grad()`` (and its wrappers' ``aliases``) zero the gradients where the engine keeps
@@ -227,6 +249,7 @@ class DataParallelEngine:
             self.sharding.after_step(optimizer)
         self.sync.after_optimizer_step()
         self.last_step_traffic = self.traffic.take()
+        self.optimizer_steps += 1
 
     def memory(self) -> MemoryReport:
         """The bytes this rank holds for the model's parameters, gradients (the ``.grad`` and the gradient buckets
@@ -347,8 +370,12 @@ class DataParallelEngine:
 
     def teardown(self) -> None:
         """Complete the sync mode's work in flight and remove the sharding's and the reducer's hooks (in this
-        order: the reducer frees the gradient buckets, which the sharded optimizer's pieces may view)."""
+        order: the reducer frees the gradient buckets, which the sharded optimizer's pieces may view) and the
+        optimizers' step hooks."""
         self.sync.finish()
+        for _, handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
         if self.sharding is not None:
             self.sharding.remove()
             self.sharding = None

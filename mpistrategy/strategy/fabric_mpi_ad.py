@@ -225,10 +225,11 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         """The optimizer step, the sync mode's parameter work for the model it stepped, then the coordinated stop
         check (every rank raises :class:`~mpistrategy.strategy.failures.StopRequested` together after a stop
         signal)."""
+        owners = [engine for _, engine in self._engines if any(optimizer is mine for mine in engine.optimizers)]
+        steps = [engine.optimizer_steps for engine in owners]
         output = super().optimizer_step(optimizer, **kwargs)
-        for _, engine in self._engines:
-            if any(optimizer is mine for mine in engine.optimizers):
-                engine.after_optimizer_step(optimizer)
+        for engine, before in zip(owners, steps, strict=True):
+            engine.complete_step(optimizer, before)
         self._install_stop_signals()
         signum = self._decide_stop()
         if signum:

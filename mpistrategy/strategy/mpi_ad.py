@@ -235,8 +235,6 @@ class MPIADStrategyMixin(MPIStrategyBase):
         return closure_loss
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine is not None:
-            self._engine.step_check.begin_batch()
         output = super().training_step(*args, **kwargs)  # type: ignore[misc]
         if self._engine is not None and self._engine.sync.uses_loss:
             self._engine.record_loss(output.get("loss") if isinstance(output, dict) else output)
@@ -244,9 +242,10 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The optimizer step, then the sync mode's model averaging; logs the step's bytes."""
+        steps = self._engine.optimizer_steps if self._engine is not None else 0
         output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         if self._engine is not None:
-            self._engine.after_optimizer_step(optimizer)
+            self._engine.complete_step(optimizer, steps)
             if (self.log_traffic or self.log_memory) and self._writes_logs_this_step():
                 self._log_step_figures(self._engine)
         return output
@@ -456,6 +455,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         passes.leave_evaluation()
         if self._engine is not None and self.lightning_module is not None:
             self._track_epoch(self.lightning_module.trainer)
+            self._engine.step_check.begin_batch()
         self._before_training_batch()
         watchdog.training_batch_started(self._training_pass, batch_idx + 1)
 

@@ -3,11 +3,12 @@
 When a synchronised backward pass begins, the ranks that combine its gradients (the gradient aggregator's span:
 every rank, or a node under hierarchical local SGD) post the same fingerprint check as every collective
 (:class:`mpistrategy.comm.checks.PendingCheck`, non-blocking: it overlaps the backward pass) of the training batch
-they are at (Trainer: counted in ``training_step``) or of their backward pass (Fabric); it is compared once the
-gradient buckets are finished. A rank that skipped a backward pass, or ran ahead, raises one
-:class:`~mpistrategy.comm.errors.CommunicationError` on every rank naming each rank's batch, instead of averaging
-gradients of different batches. While the buckets finish, the call log shows the gradient sync as the rank's
-current call, so the stall watchdog names it. Off with validation (``mpistrategy.set_validation(False)``).
+they are at (Trainer: counted before each batch, once however many times an optimizer's closure runs
+``training_step``) or of their backward pass (Fabric); it is compared once the gradient buckets are finished. A
+rank that skipped a backward pass, or ran ahead, raises one :class:`~mpistrategy.comm.errors.CommunicationError`
+on every rank naming each rank's batch, instead of averaging gradients of different batches. While the buckets
+finish, the call log shows the gradient sync as the rank's current call, so the stall watchdog names it. Off with
+validation (``mpistrategy.set_validation(False)``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class StepCheck:
         self._pending: PendingCheck | None = None
 
     def begin_batch(self) -> None:
-        """A training batch begins (the Trainer strategy's ``training_step``)."""
+        """A training batch begins (the Trainer strategy's ``on_train_batch_start``)."""
         self.batches += 1
 
     def begin_sync(self, span: MPI.Intracomm | None) -> None:

@@ -65,6 +65,26 @@ def _state_on_rank_zero(path: str) -> dict:
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=120)
+@pytest.mark.parametrize("shard", MODES)
+def test_steps_of_the_optimizer_given_to_setup_reach_every_rank(shard: str) -> None:
+    """The loop steps the torch optimizer it gave ``fabric.setup``, not the wrapper it got back: every rank's
+    updated shard still reaches the others, and training equals one process with the whole batch."""
+    data = regression_data(SIZE * PER_RANK * STEPS)
+    fabric = launched(MPIADFabricStrategy(shard=shard))
+    net = mlp(seed=1)
+    optimizer = OPTIMIZERS["adamw"](net.parameters())
+    model, _ = fabric.setup(net, optimizer)
+    for x, y in rank_batches(fabric, data, PER_RANK):
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    reference = mlp(seed=1)
+    reference_training(reference, data, SIZE * PER_RANK, STEPS, OPTIMIZERS["adamw"](reference.parameters()))
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(reference), rtol=0, atol=1e-10)
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=120)
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("shard", MODES)

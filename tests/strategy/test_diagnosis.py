@@ -71,6 +71,19 @@ def test_trainer_rank_skipping_a_backward_pass_raises_on_every_rank(tmp_path: Pa
     assert_desync_recorded(tmp_path, 2, r"CommunicationError: gradient sync: ranks disagree on the training batch")
 
 
+def test_trainer_rank_running_the_optimizer_closure_once_more_raises_on_every_rank(tmp_path: Path) -> None:
+    """Automatic optimization counts batches, not closure calls: the last rank's extra closure at batch 1 meets the
+    others' sync of batch 2 and every rank raises, instead of pairing the ranks' later batches one apart."""
+    code, output = _run("trainer", "extra_closure", "flat", 2, tmp_path)
+    assert code == 1, output[-4000:]
+    message = (
+        r"gradient sync: ranks disagree on the training batch \(rank 0: gradient sync\(training batch=2\) at \S+; "
+        r"rank 1: gradient sync\(training batch=1\) at \S+\)"
+    )
+    assert re.search(message, output), output[-4000:]
+    assert "[mpistrategy] stall" not in output, output[-4000:]
+
+
 def test_trainer_rank_skipping_a_backward_pass_of_a_resumable_loader_ends_the_job_at_once(tmp_path: Path) -> None:
     """The same through Lightning's DistributedSampler, whose loader decides the stop signals before every batch:
     the ranks raised having posted different numbers of those decisions, so the job ends with exit code 1 and every

@@ -65,6 +65,36 @@ def test_mode_equals_flat_averaging(mode: str) -> None:
     assert_same_on_all_ranks(got, "parameters")
 
 
+class _TorchOptimizerSteps(Regressor):
+    """Manual optimization whose steps are made on the torch optimizer itself, past the strategy
+    (``self.optimizers(use_pl_optimizer=False)``)."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__(net, lr=0.1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx: int) -> None:
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=180)
+@pytest.mark.parametrize("mode", ["local_sgd-H1", "hierarchical_local_sgd-H1"])
+def test_steps_of_the_torch_optimizer_itself_average_the_replicas(mode: str) -> None:
+    """Model averaging after every step (period 1) equals flat averaging also when the steps bypass Lightning's
+    optimizer wrapper: the sync mode's work follows each step of the optimizer."""
+    want = _train(FlatSync())
+    data = regression_data(SIZE * PER_RANK_BATCH * STEPS)
+    model = _TorchOptimizerSteps(mlp(seed=3))
+    strategy = MPIADStrategy(sync=MODES[mode](), ranks_per_node=2)
+    trainer(strategy=strategy, max_epochs=1).fit(model, loader(data, PER_RANK_BATCH))
+    got = flat_parameters(model)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_same_on_all_ranks(got, "parameters")
+
+
 @pytest.mark.mpi(ranks=(3, 4), timeout=180)
 @pytest.mark.parametrize("mode", ["hierarchical", "hierarchical_local_sgd-H1"])
 def test_gloo_node_transport_equals_the_mpi_one(mode: str) -> None:

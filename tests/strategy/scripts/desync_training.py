@@ -5,7 +5,8 @@ the optimizer step of batch 1; "skip_backward_sampled": it skips the backward pa
 through Lightning's DistributedSampler), "extra_step" (rank 0 has one batch more), "uneven_stream" (an
 IterableDataset that gives the last rank two batches more per epoch, two epochs), "loader_hang" (the last rank's data
 loader blocks in a C call at batch 2), "save_on_rank_zero" (rank 0 alone saves a checkpoint at batch 1),
-"gather_on_rank_zero" (rank 0 alone all-gathers its loss at batch 1, before the backward pass).
+"gather_on_rank_zero" (rank 0 alone all-gathers its loss at batch 1, before the backward pass), "extra_closure"
+(Trainer, automatic optimization: the last rank runs the optimizer's closure once more at batch 1).
 ``HANG <time>`` marks when the case begins. Healthy cases that must finish: "cycled_stream" (a loader of four
 batches and a stream of two that Lightning cycles), "capped_stream" (a stream of four batches capped by
 limit_train_batches=10; rank 0 lingers at its last batch), "save_on_every_rank" (every rank saves at batch 1, the
@@ -135,6 +136,27 @@ class Model(L.LightningModule):
             say(f"HANG {time.time()}")
 
 
+class ClosureModel(L.LightningModule):
+    """Automatic optimization whose last rank runs the closure (``training_step`` and backward) once more at batch
+    1, as LBFGS's line search may where the ranks' losses differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch).square().mean()
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        if RANK == LATE and batch_idx == 1:
+            say(f"HANG {time.time()}")
+            optimizer_closure()
+        optimizer.step(closure=optimizer_closure)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def saves() -> bool:
     """Whether this rank saves a checkpoint at batch 1 (the last rank 1.5 s after the others)."""
     if case == "save_on_rank_zero" and RANK == 0:
@@ -183,7 +205,7 @@ if framework == "trainer":
         say("VALIDATED")
         time.sleep(30)
     else:
-        trainer.fit(Model(), loader(), validation_data)  # marker: fit
+        trainer.fit(ClosureModel() if case == "extra_closure" else Model(), loader(), validation_data)  # marker: fit
 else:
     from lightning.fabric import Fabric
 

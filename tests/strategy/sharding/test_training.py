@@ -195,15 +195,16 @@ class _Adversarial(L.LightningModule):
     step (SGD with momentum) through the critic, each inside ``toggle_optimizer``. ``late_toggle``: the generator's
     step toggles after its forward pass (the critic's parameters are frozen once its graph exists)."""
 
-    def __init__(self, late_toggle: bool = False) -> None:
+    def __init__(self, late_toggle: bool = False, torch_optimizers: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.late_toggle = late_toggle
+        self.torch_optimizers = torch_optimizers
         self.generator, self.critic = _adversaries()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        generator_optimizer, critic_optimizer = self.optimizers()
+        generator_optimizer, critic_optimizer = self.optimizers(use_pl_optimizer=not self.torch_optimizers)
         self.toggle_optimizer(critic_optimizer)
         self.manual_backward(_critic_loss(self.critic, self.generator, x, y))
         critic_optimizer.step()
@@ -243,15 +244,19 @@ def _generator_loss(critic: nn.Module, generator: nn.Module, x: torch.Tensor, y:
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=240)
-@pytest.mark.parametrize("late_toggle", [False, True])
+@pytest.mark.parametrize(("late_toggle", "torch_optimizers"), [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("shard", [None, *MODES])
-def test_manual_optimization_with_toggled_optimizers_equals_one_process(shard: str | None, late_toggle: bool) -> None:
+def test_manual_optimization_with_toggled_optimizers_equals_one_process(
+    shard: str | None, late_toggle: bool, torch_optimizers: bool
+) -> None:
     """Each step moves only the toggled optimizer's parameters, with the gradient of the whole batch: the toggles
     act on the model's parameters also when the optimizers step shards, and a layer frozen after its forward pass
-    leaves the others' gradients averaged."""
+    leaves the others' gradients averaged. ``torch_optimizers``: the steps are made on the torch optimizers
+    themselves (``self.optimizers(use_pl_optimizer=False)``), past the strategy: their updated shards still reach
+    every rank."""
     torch.manual_seed(4)
     x, y = torch.randn(SIZE * 12, 6, dtype=torch.float64), torch.randn(SIZE * 12, 2, dtype=torch.float64)
-    model = _Adversarial(late_toggle)
+    model = _Adversarial(late_toggle, torch_optimizers)
     trainer(strategy=MPIADStrategy(shard=shard), max_epochs=1).fit(model, loader(TensorDataset(x, y), 4))
 
     generator, critic = _adversaries()
