@@ -161,8 +161,11 @@ class DataParallelEngine:
         return None if problem is None else SyncConfigurationError(problem)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the engine's steps drive ``optimizer`` too (collective when the state is sharded: it is split)."""
+        """Make the engine's steps drive ``optimizer`` too (collective: the ranks agree the sync mode can drive one
+        more optimizer; where the state is sharded, it is split)."""
         if optimizer not in self.optimizers:
+            count = len(self.optimizers) + 1
+            self._agreed(lambda: self.sync.check_optimizers(count), "adding an optimizer")
             self.optimizers.append(optimizer)
         if self.sharding is not None:
             sharding = self.sharding

@@ -86,16 +86,6 @@ class SyncContext:
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
 
-def refuse_several_optimizers(name: str, context: SyncContext, fix: str) -> None:
-    """Raise for a mode that averages the model after each optimizer step when ``context`` has several optimizers
-    (ambiguous: which step ends the period?); ``fix`` ends the message."""
-    if len(context.optimizers) > 1:
-        raise SyncConfigurationError(
-            f"{name}: averages the model after each optimizer step, which is ambiguous with "
-            f"{len(context.optimizers)} optimizers; {fix}."
-        )
-
-
 class SyncMode(ABC):
     """A step-level synchronisation scheme (see the module docstring for the hooks and rules).
 
@@ -112,12 +102,25 @@ class SyncMode(ABC):
     #: whether it sums gradient buckets inside each node (over the node transport) on some steps: then the
     #: strategy keeps the buckets in shared memory also when the world spans several machines
     sums_in_node: ClassVar[bool] = False
+    #: for a mode that averages the model after each optimizer step, the fix to name when it is given several
+    #: optimizers (which one's step ends the period would be ambiguous); ``None``: any number of optimizers
+    one_optimizer_fix: ClassVar[str | None] = None
 
     context: SyncContext | None = None
 
     def setup(self, context: SyncContext) -> None:
         """Called once on every rank before training (collective)."""
+        self.check_optimizers(len(context.optimizers))
         self.context = context
+
+    def check_optimizers(self, count: int) -> None:
+        """Raise :class:`SyncConfigurationError` where this mode cannot drive ``count`` optimizers (checked at
+        setup and for each optimizer added after it)."""
+        if count > 1 and self.one_optimizer_fix is not None:
+            raise SyncConfigurationError(
+                f"{self.name}: averages the model after each optimizer step, which is ambiguous with {count} "
+                f"optimizers; {self.one_optimizer_fix}."
+            )
 
     @property
     def ctx(self) -> SyncContext:

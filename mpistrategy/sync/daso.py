@@ -64,7 +64,7 @@ import torch
 from mpistrategy.aggregation.base import Aggregator, GradBucket
 from mpistrategy.aggregation.rank_state import gather_rank_states, own_rank_state
 from mpistrategy.sync.averaging import Averaging, ModelAverager
-from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode, refuse_several_optimizers
+from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 from mpistrategy.sync.levels import NodeMeanAggregator
 from mpistrategy.sync.local_sgd import check_positive
 from mpistrategy.sync.transport import NodeTransport, node_transport
@@ -331,6 +331,7 @@ class DASO(SyncMode):
     """
 
     name = "daso"
+    one_optimizer_fix = "use one optimizer"
     replicas = "rank"
     sums_in_node = True
     uses_loss = True
@@ -395,7 +396,6 @@ class DASO(SyncMode):
                 f"{list(topology.node_sizes)} ranks; launch the same number of ranks on every node "
                 "(or set ranks_per_node to a divisor of the ranks per node)."
             )
-        refuse_several_optimizers(self.name, context, "use one optimizer")
         self.transport = node_transport(topology, context.node_transport, context.device)
         self.node_mean = NodeMeanAggregator(self.transport)
         self.averager = ModelAverager(context.module, topology, context.traffic, "nodes", self.sending_chunk_size)

@@ -39,7 +39,7 @@ from mpistrategy.comm.checks import is_integer
 from mpistrategy.comm.communicator import Communicator
 from mpistrategy.comm.traffic import INTER_NODE, NODE
 from mpistrategy.sync.averaging import ModelAverager
-from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode, refuse_several_optimizers
+from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 from mpistrategy.sync.local_sgd import check_positive
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class Gossip(SyncMode):
     """
 
     name = "gossip"
+    one_optimizer_fix = "use one optimizer (or sync='flat')"
     replicas = "rank"
 
     def __init__(self, graph: str | Sequence[Sequence[int]] = "ring", period: int = 1) -> None:
@@ -130,7 +131,6 @@ class Gossip(SyncMode):
 
     def setup(self, context: SyncContext) -> None:
         super().setup(context)
-        refuse_several_optimizers(self.name, context, "use one optimizer (or sync='flat')")
         topology = context.topology
         self.neighbours = neighbours_of(self.graph, topology.size)[topology.rank]
         self.weights = metropolis_weights(neighbours_of(self.graph, topology.size))[topology.rank]

@@ -19,7 +19,7 @@ from typing import Any
 from mpistrategy.aggregation.base import Aggregator, GradBucket
 from mpistrategy.comm.checks import is_integer
 from mpistrategy.sync.averaging import ModelAverager
-from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode, refuse_several_optimizers
+from mpistrategy.sync.base import SyncConfigurationError, SyncContext, SyncMode
 
 
 def check_positive(what: str, name: str, value: object, minimum: int = 1) -> int:
@@ -38,6 +38,7 @@ class LocalSGD(SyncMode):
     """
 
     name = "local_sgd"
+    one_optimizer_fix = "use one optimizer (or sync='flat')"
     replicas = "rank"
     route = "world"
 
@@ -48,7 +49,6 @@ class LocalSGD(SyncMode):
 
     def setup(self, context: SyncContext) -> None:
         super().setup(context)
-        refuse_several_optimizers(self.name, context, "use one optimizer (or sync='flat')")
         self.averager = ModelAverager(context.module, context.topology, context.traffic, self.route)
 
     def setup_buckets(self, buckets: list[GradBucket]) -> None:

@@ -227,6 +227,34 @@ def test_local_sgd_by_name_averages_models_every_period() -> None:
 
 
 @pytest.mark.mpi(ranks=(2, 3), timeout=90)
+@pytest.mark.parametrize("added", ["in setup", "after setup"])
+def test_local_sgd_refuses_a_second_optimizer_however_it_is_added(added: str) -> None:
+    """A mode that averages the model after each optimizer step refuses a second optimizer of the model on every
+    rank, also one added by ``fabric.setup_optimizers`` after the model was set up; the model trains on with the
+    first optimizer alone, averaged every ``period`` of its steps."""
+    fabric = launched(MPIADFabricStrategy(sync=LocalSGD(period=2)))
+    model = mlp(seed=5)
+    first = torch.optim.SGD(model[0].parameters(), lr=0.2)
+    second = torch.optim.SGD(model[2].parameters(), lr=0.2)
+    refused = "local_sgd: averages the model after each optimizer step, which is ambiguous with 2 optimizers"
+    if added == "in setup":
+        with pytest.raises(SyncConfigurationError, match=refused):
+            fabric.setup(model, first, second)
+        model, first = fabric.setup(model, first)
+    else:
+        model, first = fabric.setup(model, first)
+        with pytest.raises(SyncConfigurationError, match=refused):
+            fabric.setup_optimizers(second)
+    assert fabric.strategy.engines[-1].optimizers == [first.optimizer]
+    x = torch.full((2, 6), float(RANK), dtype=torch.float64)
+    for _ in range(2):
+        fabric.backward(model(x).pow(2).mean())
+        first.step()
+        first.zero_grad()
+    _same_on_every_rank(flat_parameters(model))
+
+
+@pytest.mark.mpi(ranks=(2, 3), timeout=90)
 @pytest.mark.parametrize("mode", ["flat", "local_sgd"])
 def test_batchnorm_statistics_follow_rank_zero_after_each_synchronised_step(mode: str) -> None:
     # under flat every rank then holds rank 0's running statistics (as DDP's buffer broadcast): a BatchNorm fed only
