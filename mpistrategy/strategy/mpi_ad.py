@@ -146,7 +146,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
         self.log_traffic = log_traffic
         self.log_memory = log_memory
         self.checkpoint_on_stop = checkpoint_on_stop
-        self._checked_step = -1
+        self._checked_step = (-1, -1)  # (global step, the engine's optimizer steps) at the last stop check
         self._engine: DataParallelEngine | None = None
         #: the engine of the last fit, torn down: a checkpoint saved after ``fit`` still holds its state
         self._finished_engine: DataParallelEngine | None = None
@@ -444,7 +444,7 @@ class MPIADStrategyMixin(MPIStrategyBase):
 
     def on_train_start(self) -> None:
         self._install_stop_signals()
-        self._checked_step = -1
+        self._checked_step = (-1, -1)  # (global step, the engine's optimizer steps) at the last stop check
         failures.set_training(True)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -497,8 +497,9 @@ class MPIADStrategyMixin(MPIStrategyBase):
             self._random_state_to_restore = None
         if self._stop is not None and self.lightning_module is not None:
             trainer = self.lightning_module.trainer
-            if trainer.global_step != self._checked_step:
-                self._checked_step = trainer.global_step
+            step = (trainer.global_step, self._engine.optimizer_steps if self._engine is not None else 0)
+            if step != self._checked_step:
+                self._checked_step = step
                 self._check_stop(trainer)
 
     def _track_epoch(self, trainer: Any) -> None:
@@ -555,12 +556,11 @@ class MPIADStrategyMixin(MPIStrategyBase):
     on_test_end = on_predict_end = on_validation_end
 
     def _check_stop(self, trainer: Any) -> None:
-        """Between two optimizer steps, on every rank: stop together if any rank received a stop signal.
-
-        Called before a batch when the global step moved since the last check (so never in the middle of a
-        gradient accumulation, and the same on every rank). The decision lags one check behind the signal. The
-        checkpoint (with the random state of this moment) resumes with the batch about to be fetched.
-        """
+        """Between two optimizer steps, on every rank: stop together if any rank received a stop signal. Called
+        before a batch when an optimizer stepped since the last check (the global step, or the engine's count, which
+        has the steps of the torch optimizer itself too, moved): never in the middle of a gradient accumulation, and
+        the same on every rank. The decision lags one check behind the signal. The checkpoint (with the random state
+        of this moment) resumes with the batch about to be fetched."""
         signum = self._decide_stop()
         if not signum:
             return

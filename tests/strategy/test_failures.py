@@ -169,6 +169,19 @@ def test_sigusr1_on_one_rank_stops_all_at_the_same_step_with_a_checkpoint(stoppe
     assert set(_stopped_steps(output).values()) == {30}
 
 
+def test_a_signal_stops_all_ranks_that_step_the_torch_optimizer_itself() -> None:
+    """Manual optimization stepping the torch optimizer past Lightning's wrapper leaves the global step at 0; the
+    ranks still stop together after the same optimizer step, with a checkpoint, instead of training on to the end
+    of the epoch with the signal swallowed."""
+    directory = tempfile.mkdtemp()
+    code, output, _ = _run("usr1_raw", directory)
+    assert code == STOPPED_EXIT_CODE, output[-4000:]
+    steps = re.findall(r"STOPPED rank=(\d+) global_step=0 raw_steps=(\d+)", output)
+    assert sorted(rank for rank, _ in steps) == ["0", "1", "2"], output[-4000:]
+    assert {int(raw) for _, raw in steps} == {5}, output[-4000:]  # as the global step of the usr1 job above
+    assert (Path(directory) / "hpc_ckpt_1.ckpt").exists()
+
+
 def test_sigterm_from_outside_to_one_rank_stops_all_at_the_same_step() -> None:
     directory = tempfile.mkdtemp()
     job = _start("pids", directory)

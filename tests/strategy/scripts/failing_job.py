@@ -11,6 +11,7 @@ training_step at the same batch, then fits again in the same process), raise_eve
 at the same batch and lets the error end the script; each write to stderr is recorded in DIRECTORY/writes<rank>),
 signal_at_exit (after a short fit, each rank
 sends itself SIGUSR1 and SIGTERM from an exit hook that runs after mpistrategy's), usr1 (rank 1 sends itself SIGUSR1),
+usr1_raw (the same in manual optimization stepping the torch optimizer itself, for one epoch),
 pids (every rank writes its pid to DIRECTORY and trains slowly, waiting for a signal from outside), resume (continue
 from the stop checkpoint), corrupt (resume from DIRECTORY/hpc_ckpt_1.ckpt after rank 0 cut it short).
 """
@@ -45,6 +46,8 @@ class Job(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Linear(4, 1)
+        self.automatic_optimization = MODE != "usr1_raw"
+        self.raw_steps = 0
 
     def training_step(self, batch, batch_idx):
         if MODE.startswith("raise_everywhere") and batch_idx == TRIGGER_BATCH and self.trainer.max_steps > 10:
@@ -60,14 +63,21 @@ class Job(L.LightningModule):
             if MODE in ("os_exit", "os_exit_0"):
                 mark("FAILING")
                 os._exit(3 if MODE == "os_exit" else 0)
-            if MODE == "usr1":
+            if MODE in ("usr1", "usr1_raw"):
                 mark("SIGNALLING")
                 os.kill(os.getpid(), signal.SIGUSR1)
         if MODE == "pids" and batch_idx == TRIGGER_BATCH and self.current_epoch == 0:
             with open(os.path.join(DIRECTORY, f"pid{RANK}"), "w") as f:
                 f.write(str(os.getpid()))
-        if MODE in ("pids", "usr1"):
+        if MODE in ("pids", "usr1", "usr1_raw"):
             time.sleep(0.02)
+        if MODE == "usr1_raw":  # past Lightning's optimizer wrapper: the global step stays 0
+            optimizer = self.optimizers(use_pl_optimizer=False)
+            optimizer.zero_grad()
+            self.manual_backward(self.net(batch[0]).pow(2).mean())
+            optimizer.step()
+            self.raw_steps += 1
+            return None
         return self.net(batch[0]).pow(2).mean()
 
     def validation_step(self, batch, batch_idx):
@@ -124,23 +134,24 @@ trainer = L.Trainer(
     strategy="mpi_ad",
     accelerator="cpu",
     max_steps={"resume": 30, "raise_outside": 5, "signal_at_exit": 5, "sigterm_after_fit": 5}.get(MODE, 100_000),
-    max_epochs=-1,
+    max_epochs=1 if MODE == "usr1_raw" else -1,
     logger=False,
     enable_progress_bar=False,
     enable_model_summary=False,
     enable_checkpointing=False,
     default_root_dir=DIRECTORY,
 )
+job = Job()
 try:
     validation = DataLoader(data, batch_size=8) if MODE == "sigterm_sanity" else None
     resume = "hpc" if MODE in ("resume", "corrupt") else None
-    trainer.fit(Job(), DataLoader(data, batch_size=8), validation, ckpt_path=resume)
+    trainer.fit(job, DataLoader(data, batch_size=8), validation, ckpt_path=resume)
 except Exception as error:  # one line per rank (tracebacks of several ranks interleave in the job's output)
     print(f"RAISED rank={RANK} {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
     if MODE != "raise_everywhere":
         raise
 finally:
-    print(f"STOPPED rank={RANK} global_step={trainer.global_step}", flush=True)
+    print(f"STOPPED rank={RANK} global_step={trainer.global_step} raw_steps={job.raw_steps}", flush=True)
 if MODE == "raise_everywhere":  # the ranks are still in step: a second fit trains together
     again = L.Trainer(strategy="mpi_ad", accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
