@@ -3,7 +3,11 @@ how every rank reads it.
 
 Added under ``checkpoint["mpistrategy"]``: the data-parallel engine's state (sync mode, aggregator, replicas) and,
 in a training checkpoint (one with loop state, not weights only), ``world_size`` and ``random_state``: every rank's
-random state (:mod:`~mpistrategy.strategy.random_state`), gathered to rank 0, a list indexed by rank.
+random state (:mod:`~mpistrategy.strategy.random_state`), gathered to rank 0, a list indexed by rank. The training
+loaders' positions in their epoch (:class:`~mpistrategy.strategy.resumable.ResumableLoader`'s state, which Lightning
+saves in the fit loop's state) are moved there too, as ``loader_positions``, and back when the file is read: a
+Trainer of another strategy, whose DataLoader has no state to take them, loads the checkpoint (and restarts the
+interrupted epoch's data) instead of refusing it for more loader states than loaders.
 
 Writing: rank 0, atomically and sealed with a SHA-256 (:mod:`~mpistrategy.strategy.checkpoint_files`) for local
 paths; a remote path (an fsspec URL) or an asynchronous checkpoint IO gets the checkpoint as it is.
@@ -31,10 +35,13 @@ from mpi4py import MPI
 
 from mpistrategy.strategy import checkpoint_files, failures, random_state
 from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError
+from mpistrategy.strategy.resumable import ResumableLoader
 
 log = logging.getLogger(__name__)
 
 KEY = "mpistrategy"
+#: where the training loaders' positions are kept in ``checkpoint[KEY]``
+LOADER_POSITIONS = "loader_positions"
 #: what a rank given no checkpoint path shows in the comparison of the ranks' paths
 NO_PATH = "no ckpt_path"
 #: how to save right, for the report of a save that some ranks made and others went on without
@@ -60,6 +67,34 @@ def add_state(checkpoint: Checkpoint, engine_state: dict[str, Any], comm: MPI.In
         added["random_state"] = random_state.gather(random_state.capture(), comm)
     if added:
         checkpoint[KEY] = added
+    set_aside_loader_positions(checkpoint)
+
+
+def set_aside_loader_positions(checkpoint: Checkpoint) -> None:
+    """Move the training loaders' positions from the fit loop's state to ``checkpoint[KEY]`` (see the module doc);
+    loader states that are not all :class:`~mpistrategy.strategy.resumable.ResumableLoader`'s stay where they are."""
+    fit_loop = _fit_loop_state(checkpoint)
+    states = fit_loop.get("combined_loader")
+    if isinstance(states, list) and states and all(_is_loader_position(state) for state in states):
+        checkpoint.setdefault(KEY, {})[LOADER_POSITIONS] = states
+        fit_loop["combined_loader"] = []
+
+
+def _restore_loader_positions(checkpoint: Checkpoint) -> None:
+    """Put the positions :func:`set_aside_loader_positions` moved back where Lightning's fit loop reads them."""
+    positions = checkpoint.get(KEY, {}).pop(LOADER_POSITIONS, None)
+    fit_loop = _fit_loop_state(checkpoint)
+    if positions and "combined_loader" in fit_loop:
+        fit_loop["combined_loader"] = positions
+
+
+def _fit_loop_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The fit loop's own state in ``checkpoint`` (an empty dict, not part of it, if it has none)."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+
+
+def _is_loader_position(state: object) -> bool:
+    return isinstance(state, dict) and set(state) == set(ResumableLoader.STATE_KEYS)
 
 
 def write(checkpoint: Checkpoint, filepath: Any, save: Callable[[Checkpoint, Any], None], asynchronous: bool) -> None:
@@ -116,6 +151,7 @@ def read(checkpoint_path: Any, load: Callable[[Any], Checkpoint], comm: MPI.Intr
         failures_by_rank = [failure if rank == root else None for rank in range(len(views))]
     _raise_if_any_failed(path, failures_by_rank, error, comm, every_rank_checked=len(seeing) == len(views))
     assert checkpoint is not None
+    _restore_loader_positions(checkpoint)
     return checkpoint
 
 

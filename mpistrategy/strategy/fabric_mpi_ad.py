@@ -353,7 +353,8 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         ``CorruptCheckpointError`` on every rank) and restores ``state`` from it as Fabric does; then the engines'
         state and this rank's replica (for models not set up yet: when they are). A sharded optimizer loads the
         pieces of its shard from the shard files, re-sharded if the checkpoint has another number of shards; an
-        unsharded one loads a sharded checkpoint's state consolidated."""
+        unsharded one loads a sharded checkpoint's state consolidated, and so does the optimizer state in what is
+        returned (the checkpoint's entries not in ``state``; all of them without ``state``)."""
         load = functools.partial(self.checkpoint_io.load_checkpoint, weights_only=weights_only)
         checkpoint = checkpoints.read(path, load, self.topology.control)
         if isinstance(state, (nn.Module, torch.optim.Optimizer)):  # a raw state dict (``fabric.load_raw``)
@@ -377,6 +378,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
                 else:
                     checkpoint[name] = entry
         remainder = self._restore(checkpoint, state, strict, restored)
+        sharded_checkpoint.consolidate_entries(remainder, os.fspath(path))
         for engine, (_, engine_state) in zip(engines, assigned, strict=True):
             if engine is not None:
                 engine.restore_replica(engine_state)

@@ -168,7 +168,13 @@ def test_a_sharded_checkpoint_loads_into_an_unsharded_run_and_raw() -> None:
     whole = _state_on_rank_zero(path)
 
     plain = launched(MPIADFabricStrategy())
+    returned = plain.load(path)  # Fabric's pattern: the checkpoint itself back, its optimizer state consolidated
+    torch.testing.assert_close(returned["optimizer"]["state"], whole["state"], rtol=0, atol=0)
+    assert [g["params"] for g in returned["optimizer"]["param_groups"]] == [g["params"] for g in whole["param_groups"]]
     plain_model, plain_optimizer = _set_up(plain, seed=2)
+    remainder = plain.load(path, {"model": plain_model}, strict=False)  # what is not restored comes back whole
+    plain_optimizer.load_state_dict(remainder["optimizer"])
+    torch.testing.assert_close(plain_optimizer.state_dict()["state"], whole["state"], rtol=0, atol=0)
     plain.load(path, {"model": plain_model, "optimizer": plain_optimizer})
     assert torch.equal(flat_parameters(plain_model), flat_parameters(model))
     torch.testing.assert_close(plain_optimizer.state_dict()["state"], whole["state"], rtol=0, atol=0)

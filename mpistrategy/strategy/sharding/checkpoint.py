@@ -23,9 +23,8 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from mpistrategy.strategy import failures
+from mpistrategy.strategy import checkpoints, failures
 from mpistrategy.strategy.checkpoint_files import CorruptCheckpointError, verify, write_atomically
-from mpistrategy.strategy.resumable import ResumableLoader
 from mpistrategy.strategy.sharding import files
 from mpistrategy.strategy.sharding.group import ShardGroup
 from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer, unwrapped
@@ -255,9 +254,10 @@ def consolidate(path: str, out: str | None = None) -> dict[str, Any]:
     ``state_dict()`` (one process, no MPI; a damaged file raises :class:`CorruptCheckpointError`): loadable by any
     strategy, or for inference. Written to ``out`` (atomically, sealed) when given. Trainer checkpoints keep their
     ``optimizer_states`` list; in Fabric checkpoints every top-level entry that is a manifest is consolidated.
-    The training loader's position in its epoch is left out (a plain Trainer restarts that epoch's data, as it
-    does with any loader it cannot resume). ``out`` must be another file than ``path`` (``ValueError``: writing
-    over the sharded checkpoint would orphan its shard files); a missing ``path`` raises ``FileNotFoundError``."""
+    The training loader's position in its epoch is set aside where only mpi_ad reads it (another strategy's
+    Trainer restarts that epoch's data, as it does with any loader it cannot resume). ``out`` must be another file
+    than ``path`` (``ValueError``: writing over the sharded checkpoint would orphan its shard files); a missing
+    ``path`` raises ``FileNotFoundError``."""
     verify(path)
     if out is not None and _same_file(path, out):
         raise ValueError(
@@ -269,25 +269,11 @@ def consolidate(path: str, out: str | None = None) -> dict[str, Any]:
     entries = checkpoint.get("optimizer_states")
     if isinstance(entries, list):
         checkpoint["optimizer_states"] = [_plain(entry, reader) for entry in entries]
-    for key, value in list(checkpoint.items()):
-        checkpoint[key] = _plain(value, reader)
-    _drop_loader_positions(checkpoint)
+    consolidate_entries(checkpoint, path, reader)
+    checkpoints.set_aside_loader_positions(checkpoint)
     if out is not None:
         write_atomically(out, lambda temporary: torch.save(checkpoint, temporary))
     return checkpoint
-
-
-def _drop_loader_positions(checkpoint: dict[str, Any]) -> None:
-    """Leave out the training loader's position in its epoch (saved by mpi_ad's resumable loader): a plain Trainer's
-    DataLoader has no state to take it, and Lightning refuses a checkpoint with more loader states than loaders."""
-    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-    states = fit_loop.get("combined_loader")
-    if isinstance(states, list) and states and all(_is_loader_position(state) for state in states):
-        fit_loop["combined_loader"] = []
-
-
-def _is_loader_position(state: object) -> bool:
-    return isinstance(state, dict) and set(state) == set(ResumableLoader.STATE_KEYS)
 
 
 def _same_file(path: str, other: str) -> bool:
@@ -295,6 +281,15 @@ def _same_file(path: str, other: str) -> bool:
     if os.path.realpath(other) == os.path.realpath(path):
         return True
     return os.path.exists(other) and os.path.samefile(path, other)
+
+
+def consolidate_entries(entries: dict[str, Any], path: str, reader: ShardReader | None = None) -> None:
+    """Replace every value of ``entries`` (top-level entries of the checkpoint at ``path``, a Fabric checkpoint's)
+    that is a manifest by its consolidated, plain ``state_dict()``, read from the shard files (by ``reader``)."""
+    if any(is_manifest(value) for value in entries.values()):
+        reader = reader or ShardReader(path)
+        for key, value in list(entries.items()):
+            entries[key] = _plain(value, reader)
 
 
 def _plain(entry: Any, reader: ShardReader) -> Any:

@@ -9,7 +9,6 @@ import os
 import signal
 from pathlib import Path
 
-import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -101,15 +100,7 @@ def test_resume_on_another_number_of_ranks_has_the_consolidated_state(
     assert consolidated["loops"]["fit_loop"]["state_dict"]["combined_loader"] == []  # the loader's position
     plain_path = os.path.join(directory, "plain.ckpt")
     consolidate(os.path.join(directory, "saved.ckpt"), plain_path)
-    single = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=consolidated["global_step"] + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    single = trainer(strategy="auto", devices=1, max_steps=consolidated["global_step"] + 1)
     single.fit(DeepNet(), loader(data(3, 1), BATCH), ckpt_path=plain_path)  # a plain Trainer takes it and trains on
     assert single.global_step == consolidated["global_step"] + 1
     _job("load", "optimizer", loaded_at, directory)
@@ -117,6 +108,24 @@ def test_resume_on_another_number_of_ranks_has_the_consolidated_state(
     _assert_same_state(loaded["restored"], plain)
     _assert_same_state(loaded["restored_unsharded"], plain)
     torch.testing.assert_close(loaded["sharded_params"], loaded["unsharded_params"], rtol=0, atol=1e-6)
+
+
+@OUTER_RUN_ONLY
+def test_a_checkpoint_saved_mid_epoch_resumes_in_a_trainer_of_another_strategy(tmp_path: Path) -> None:
+    """An unsharded mpi_ad checkpoint saved at step 6 of a 10-batch epoch: the training loader's position is kept
+    under ``checkpoint["mpistrategy"]``, out of the fit loop's state, so a single-process Trainer with a plain
+    DataLoader resumes it (it would refuse a loader state it has no loader for) and trains on."""
+    directory = str(tmp_path)
+    _job("save", "none", 2, directory)
+    path = os.path.join(directory, "saved.ckpt")
+    saved = torch.load(path, weights_only=False)
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == []
+    assert saved["mpistrategy"]["loader_positions"] == [
+        {"epoch": 0, "batches": 6, "num_batches": 10, "num_replicas": 2}
+    ]
+    single = trainer(strategy="auto", devices=1, max_steps=saved["global_step"] + 2)
+    single.fit(DeepNet(), loader(data(10, 1), BATCH), ckpt_path=path)
+    assert single.global_step == saved["global_step"] + 2
 
 
 def test_consolidate_refuses_to_write_over_its_checkpoint_and_names_a_missing_one(

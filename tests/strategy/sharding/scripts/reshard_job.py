@@ -3,6 +3,8 @@
 
     mpiexec -n N python reshard_job.py save <shard> <directory>
     mpiexec -n N python reshard_job.py load <shard> <directory>
+
+``<shard>``: ``optimizer``, ``gradients`` or ``none`` (unsharded).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _fit(shard: str | None, steps: int, ckpt_path: str | None = None) -> tuple[D
 
 
 def main() -> None:
-    mode, shard, directory = sys.argv[1], sys.argv[2], sys.argv[3]
+    mode, shard, directory = sys.argv[1], None if sys.argv[2] == "none" else sys.argv[2], sys.argv[3]
     path = os.path.join(directory, "saved.ckpt")
     if mode == "save":
         _, fit, _ = _fit(shard, SAVED_STEPS)
