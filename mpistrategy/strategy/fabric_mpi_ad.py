@@ -30,7 +30,8 @@ calls:
   no rank left waiting); ``os._exit`` on a rank is reported.
 - Stop signals: SIGTERM or SIGUSR1 reaching any rank during training makes every rank raise
   :class:`~mpistrategy.strategy.failures.StopRequested` (exit code 75) from the same ``optimizer.step()``, one step
-  after the signal; catch it to save a checkpoint (``fabric.save``) before exiting.
+  after the signal (also a step of the torch optimizer itself, past Fabric's wrapper); catch it to save a checkpoint
+  (``fabric.save``) before exiting.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import functools
 import logging
 import os
 import signal
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
@@ -62,7 +64,7 @@ from mpistrategy.strategy import checkpoints, fabric_release, failures
 from mpistrategy.strategy.base import MPIStrategyBase
 from mpistrategy.strategy.engine import DataParallelEngine
 from mpistrategy.strategy.sharding import checkpoint as sharded_checkpoint
-from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer
+from mpistrategy.strategy.sharding.optimizer import ShardedOptimizer, unwrapped
 from mpistrategy.strategy.sharding.training import ShardedTraining
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         self._routed = self._held.routed  # optimizers given a routed class, their own
         self._own_channels = self._held.own_channels  # the gradient channels made for the second and later models
         self._registered = False
+        self._stepping = False  # inside optimizer_step: its own stop check follows the step
         self._torn_down: list[ShardedTraining | None] = []  # by model, kept after teardown: a save still needs them
 
     @property
@@ -144,6 +147,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
                 engine.add_optimizer(optimizer)
                 engine.attach_optimizer(optimizer)
                 self._route_zero_grad(optimizer)
+                self._hook_stop_check(optimizer)
         return optimizer
 
     def _setup(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -174,6 +178,7 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         for optimizer in optimizers:
             engine.attach_optimizer(optimizer)
             self._route_zero_grad(optimizer)
+            self._hook_stop_check(optimizer)
         if engine.sharding is not None and self._uses_grad_scaler():
             engine.sharding.watch_scaler(getattr(self.precision, "scaler", None))
         self._engines.append((module, engine))
@@ -194,6 +199,21 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         if not issubclass(original, _RoutedZeroGrad):
             optimizer.__class__ = _routed_class(original)
             self._routed.append((optimizer, original))
+
+    def _hook_stop_check(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make a step of ``optimizer`` itself, past Fabric's wrapper, end with the coordinated stop check as the
+        wrapper's step does (after the engine's after-step work: its hook was registered first). The hook holds
+        the strategy weakly, so that a dropped Fabric object is still freed (:mod:`~mpistrategy.strategy.
+        fabric_release`)."""
+        strategy = weakref.ref(self)
+
+        def check_after_step(*_: Any) -> None:
+            owner = strategy()
+            if owner is not None and not owner._stepping:
+                owner._install_stop_signals()
+                owner._stop_if_requested()
+
+        self._held.step_hooks.append(unwrapped(optimizer).register_step_post_hook(check_after_step))
 
     # ------------------------------------------------------------------------------------------ training
 
@@ -227,17 +247,26 @@ class MPIADFabricStrategy(MPIStrategyBase, ParallelStrategy):
         signal)."""
         owners = [engine for _, engine in self._engines if any(optimizer is mine for mine in engine.optimizers)]
         steps = [engine.optimizer_steps for engine in owners]
-        output = super().optimizer_step(optimizer, **kwargs)
+        self._stepping = True
+        try:
+            output = super().optimizer_step(optimizer, **kwargs)
+        finally:
+            self._stepping = False
         for engine, before in zip(owners, steps, strict=True):
             engine.complete_step(optimizer, before)
         self._install_stop_signals()
+        self._stop_if_requested()
+        return output
+
+    def _stop_if_requested(self) -> None:
+        """The coordinated stop check after an optimizer step (collective): raise ``StopRequested`` on every rank if
+        a rank received a stop signal."""
         signum = self._decide_stop()
         if signum:
             name = signal.Signals(signum).name
             if self.is_global_zero:
                 log.warning("mpi_ad: %s received; every rank stops after this optimizer step.", name)
             raise failures.mark_coordinated_stop(failures.StopRequested(name))
-        return output
 
     def clip_gradients_norm(
         self,

@@ -31,16 +31,18 @@ from mpistrategy.strategy.failures import StopSignals
 class Held:
     """What one Fabric strategy holds that needs freeing: its models' engines (buckets, shared-memory windows,
     communicators), the gradient communicators of its second and later models, the optimizers whose class it
-    routed (with their own class) and its stop-signal handlers."""
+    routed (with their own class), its stop-signal handlers and the optimizers' step hooks of its stop check."""
 
     engines: list[tuple[nn.Module, DataParallelEngine]] = field(default_factory=list)
     own_channels: list[Topology] = field(default_factory=list)
     routed: list[tuple[torch.optim.Optimizer, type]] = field(default_factory=list)
     stop: StopSignals | None = None
+    step_hooks: list[Any] = field(default_factory=list)
 
     def release(self) -> None:
         """Collective over the strategy's ranks: tear the engines down, free the communicators, give the optimizers
-        their class and the signals their handlers back. The lists are emptied in place (the strategy reads them)."""
+        their class and the signals their handlers back, remove the step hooks. The lists are emptied in place (the
+        strategy reads them)."""
         for _, engine in self.engines:
             engine.teardown()
         self.engines.clear()
@@ -52,6 +54,9 @@ class Held:
         self.routed.clear()
         if self.stop is not None:
             self.stop.release()
+        for handle in self.step_hooks:
+            handle.remove()
+        self.step_hooks.clear()
 
 
 @dataclass(eq=False)

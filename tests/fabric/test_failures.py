@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from mpistrategy.strategy.failures import STOPPED_EXIT_CODE
@@ -48,9 +49,11 @@ def test_an_error_every_rank_raises_in_step_ends_each_rank_without_an_abort(tmp_
     assert_desync_recorded(tmp_path / "flight", RANKS, r"CommunicationError: allreduce: ranks disagree")
 
 
-def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stepped", ["usr1", "usr1_raw"], ids=["wrapper", "torch optimizer itself"])
+def test_sigusr1_on_one_rank_stops_every_rank_after_the_same_step(stepped: str, tmp_path: Path) -> None:
+    """Also when the loop steps the torch optimizer it gave ``fabric.setup``, past Fabric's wrapper."""
     directory = str(tmp_path)
-    code, output, _ = _run("usr1", directory)
+    code, output, _ = _run(stepped, directory)
     assert code == STOPPED_EXIT_CODE, output[-4000:]
     stopped = {int(r): int(s) for r, s in re.findall(r"STOPPED rank=(\d+) step=(\d+) signal=SIGUSR1", output)}
     assert sorted(stopped) == list(range(RANKS)), output[-4000:]

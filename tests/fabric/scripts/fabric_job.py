@@ -3,8 +3,9 @@
 Usage: mpiexec -n 3 python fabric_job.py MODE DIRECTORY
 
 MODE: raise (rank 1 raises in its training loop while the others go on to the next collective), usr1 (rank 1 sends
-itself SIGUSR1; every rank catches the coordinated stop, saves DIRECTORY/stop.ckpt and exits 75), mismatch (every
-rank all-reduces at step 3, rank 1 a tensor of another shape: every rank raises the collective's error).
+itself SIGUSR1; every rank catches the coordinated stop, saves DIRECTORY/stop.ckpt and exits 75), usr1_raw (the
+same, the loop stepping the torch optimizer it gave ``fabric.setup`` instead of the wrapper it got back), mismatch
+(every rank all-reduces at step 3, rank 1 a tensor of another shape: every rank raises the collective's error).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def all_reduce_another_shape(step: int) -> None:
     ms.allreduce(torch.zeros(3 if rank == 1 else 4))
 
 
-MISBEHAVE = {"raise": fail, "usr1": signal_self, "mismatch": all_reduce_another_shape}[MODE]
+MISBEHAVE = {"raise": fail, "usr1": signal_self, "usr1_raw": signal_self, "mismatch": all_reduce_another_shape}[MODE]
 
 
 def train_one_step(step: int) -> None:
@@ -56,13 +57,14 @@ def train_one_step(step: int) -> None:
         MISBEHAVE(step)
     x = torch.randn(8, 4)
     fabric.backward(model(x).pow(2).mean())
-    optimizer.step()
+    (raw if MODE == "usr1_raw" else optimizer).step()
     optimizer.zero_grad()
     time.sleep(0.02)
 
 
 net = nn.Linear(4, 1)
-model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+raw = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+model, optimizer = fabric.setup(net, raw)
 step = 0
 try:
     for step in range(200):
